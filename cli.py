@@ -1,0 +1,86 @@
+"""The `qconv` command line. Every command is deterministic, never prompts, and maps each failure to
+one line on stderr and a documented exit code (errors.py). Heavy imports happen inside commands, so
+`qconv inspect` never loads torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from . import __version__
+from .errors import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_FAILED, EXIT_OK, QconvError)
+
+EXIT_CODES_HELP = """\b
+Exit codes:
+  0    success
+  1    the check failed (inspect --strict: warnings were found)
+  2    bad command line
+  3    PATH missing, empty, without safetensors weights, or pickle-only
+  4    corrupt or inconsistent checkpoint (header, offsets, index, config JSON)
+  5    a layout or method qconv does not handle
+  6    the output cannot be written
+  70   internal error (a bug in qconv; QCONV_DEBUG=1 shows the traceback)
+  130  interrupted
+"""
+
+
+@click.group(epilog=EXIT_CODES_HELP, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="qconv")
+def cli() -> None:
+    """Inspect, convert, dequantize and validate quantized LLM/VLM checkpoints
+    (bitsandbytes int8/4-bit, GPTQ, auto-round)."""
+
+
+@cli.command("inspect", epilog=EXIT_CODES_HELP)
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
+@click.option("--all-modules", is_flag=True,
+              help="List every quantized module instead of folding numbered layers.")
+@click.option("--strict", is_flag=True, help="Exit 1 when any warning is reported.")
+def inspect_cmd(path: Path, as_json: bool, all_modules: bool, strict: bool) -> int:
+    """Describe the checkpoint at PATH from its headers and configs alone.
+
+    PATH is a model folder (one safetensors file, or shards with an index), a single .safetensors
+    file, or a diffusers-style pipeline folder (model_index.json), whose weight-holding components
+    are each reported under their folder name. Tensor data is never read (but for bitsandbytes'
+    few-byte quant_state and weight_format tensors) and torch is never imported.
+    """
+    from .inspection import inspect_path, render_text
+
+    result = inspect_path(path)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(render_text(result, all_modules=all_modules))
+    has_warnings = any(c["warnings"] for c in result["components"])
+    return EXIT_FAILED if strict and has_warnings else EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        rv = cli.main(args=argv, prog_name="qconv", standalone_mode=False)
+    except click.exceptions.Exit as exc:          # --help, --version
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:           # usage errors: exit 2
+        exc.show()
+        sys.exit(exc.exit_code)
+    except (click.Abort, KeyboardInterrupt):
+        click.echo("qconv: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except QconvError as exc:
+        click.echo(f"qconv: error: {exc.message}", err=True)
+        sys.exit(exc.exit_code)
+    except BrokenPipeError:                       # `qconv inspect ... | head`
+        sys.stderr.close()
+        sys.exit(EXIT_OK)
+    except Exception as exc:  # noqa: BLE001 - the promise is: never a traceback
+        if os.environ.get("QCONV_DEBUG"):
+            raise
+        click.echo(f"qconv: internal error: {type(exc).__name__}: {exc} (a bug in qconv; rerun "
+                   f"with QCONV_DEBUG=1 for the traceback and report it)", err=True)
+        sys.exit(EXIT_INTERNAL)
+    sys.exit(rv if isinstance(rv, int) else EXIT_OK)

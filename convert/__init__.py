@@ -1,0 +1,1 @@
+"""Conversions between formats through qconv's canonical representation (later issues)."""

@@ -1,0 +1,66 @@
+"""qconv's errors: one small hierarchy, each class bound to the exit code the CLI returns for it.
+
+Every message names the file (and the tensor, where there is one), says what was found and what was
+expected, and where it can, how to fix it. The CLI prints ``qconv: error: <message>`` on one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Exit codes. Documented in README.md and in `qconv --help`.
+EXIT_OK = 0
+EXIT_FAILED = 1          # the command ran and its check failed (inspect --strict found warnings, ...)
+EXIT_USAGE = 2           # bad command line (click's own code)
+EXIT_NOT_FOUND = 3       # PATH missing, empty, no safetensors weights, pickle-only
+EXIT_CORRUPT = 4         # malformed or inconsistent checkpoint: header, offsets, index, config JSON
+EXIT_UNSUPPORTED = 5     # well-formed, but a layout or method qconv does not handle
+EXIT_OUTPUT = 6          # cannot write the output (DST exists and is not empty, no space, ...)
+EXIT_INTERNAL = 70       # a bug in qconv: please report it
+EXIT_INTERRUPTED = 130   # Ctrl-C / SIGTERM
+
+
+class QconvError(Exception):
+    """Base class. ``str(err)`` is the one-line message the CLI prints."""
+
+    exit_code = EXIT_FAILED
+
+    def __init__(self, problem: str, *, file: str | Path | None = None, tensor: str | None = None):
+        self.problem = problem
+        self.file = str(file) if file is not None else None
+        self.tensor = tensor
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        parts = []
+        if self.file:
+            parts.append(self.file)
+        if self.tensor:
+            parts.append(f"tensor {self.tensor!r}")
+        parts.append(self.problem)
+        return ": ".join(parts).replace("\n", " ")
+
+
+class InputNotFound(QconvError):
+    """Nothing to read: the path is missing, empty, or holds no safetensors weights."""
+
+    exit_code = EXIT_NOT_FOUND
+
+
+class CorruptCheckpoint(QconvError):
+    """The files are malformed or disagree with each other in a way no loader accepts."""
+
+    exit_code = EXIT_CORRUPT
+
+
+class UnsupportedFormat(QconvError):
+    """Well-formed, but a layout or method that qconv does not read."""
+
+    exit_code = EXIT_UNSUPPORTED
+
+
+class OutputError(QconvError):
+    """The destination cannot be written."""
+
+    exit_code = EXIT_OUTPUT

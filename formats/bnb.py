@@ -1,0 +1,174 @@
+"""bitsandbytes LLM.int8 (``Linear8bitLt``) and 4-bit (``Linear4bit``) checkpoints, from headers.
+
+LLM.int8, per quantized Linear ``P`` (FORMATS.md §1.1)::
+
+    P.weight         int8    [out, in]   CB, row-wise symmetric codes
+    P.SCB            float32 [out]       row absmax;  W = CB * SCB / 127
+    P.weight_format  uint8   []          0 = row-major (the only layout bitsandbytes >= 0.46 loads)
+
+4-bit, per quantized Linear ``P`` (FORMATS.md §2.1)::
+
+    P.weight                          storage dtype [ceil(out*in/2) / itemsize, 1]  two codes a byte,
+                                                                                   first in the HIGH nibble
+    P.weight.absmax                   float32 [n_blocks]   (uint8 codes with double quant)
+    P.weight.quant_map                float32 [16]
+    P.weight.nested_absmax            float32 [ceil(n_blocks/256)]   double quant only
+    P.weight.nested_quant_map         float32 [256]                   double quant only
+    P.weight.quant_state.bitsandbytes__<nf4|fp4>  uint8 [len]  JSON: quant_type, blocksize, dtype,
+                                                               shape, nested_* (the only data read)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Mapping
+
+from ..errors import CorruptCheckpoint
+from .layout import QuantModule
+from .safetensors_header import TensorInfo, read_small_tensors
+
+QS_PREFIX = ".weight.quant_state.bitsandbytes__"
+STATE_4BIT = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+WEIGHT_FORMATS = {0: "row", 1: "col32", 2: "col_turing", 3: "col_ampere"}
+STORAGE_NAMES = {"U8": "uint8", "I8": "int8", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
+                 "F64": "float64"}
+
+
+def find_int8_modules(tensors: Mapping[str, TensorInfo]) -> list[QuantModule]:
+    modules = []
+    formats = read_small_tensors(info for name, info in tensors.items()
+                                 if name.endswith(".weight_format") and name[:-14] + ".SCB" in tensors)
+    for name, scb in tensors.items():
+        if not name.endswith(".SCB"):
+            continue
+        prefix = name[:-4]
+        weight = tensors.get(prefix + ".weight")
+        fmt = tensors.get(prefix + ".weight_format")
+        problems = []
+        if weight is None:
+            problems.append("has SCB but no int8 weight tensor")
+            out, inp = (scb.shape[0] if scb.shape else 0), 0
+        else:
+            if weight.dtype != "I8" or len(weight.shape) != 2:
+                problems.append(f"weight is {weight.dtype} {list(weight.shape)}, expected int8 [out, in]")
+            out = weight.shape[0] if weight.shape else 0
+            inp = weight.shape[1] if len(weight.shape) == 2 else 0
+            if scb.shape != (out,):
+                problems.append(f"SCB has shape {list(scb.shape)}, expected [{out}] (one per output row)")
+        details = {}
+        if fmt is not None:
+            code = formats[fmt.name]
+            value = code[0] if len(code) == 1 else None
+            details["weight_format"] = WEIGHT_FORMATS.get(value, f"unknown ({value})")
+            if value != 0:
+                problems.append(f"weight_format is {details['weight_format']!r}: bitsandbytes >= 0.46 "
+                                f"only loads row-major int8 weights")
+        state = tuple(n for n in (name, prefix + ".weight_format") if n in tensors)
+        modules.append(QuantModule(prefix, "bnb8", "int8", 8, out, inp,
+                                   (prefix + ".weight",) if weight is not None else (), state,
+                                   details=details, problems=tuple(problems)))
+    return modules
+
+
+def parse_quant_state(info: TensorInfo, raw: bytes) -> dict:
+    try:
+        qs = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise CorruptCheckpoint("bitsandbytes quant_state is not valid JSON", file=info.file,
+                                tensor=info.name) from None
+    shape = qs.get("shape") if isinstance(qs, dict) else None
+    if (not isinstance(qs, dict) or not isinstance(qs.get("blocksize"), int)
+            or qs["blocksize"] <= 0 or not isinstance(shape, list) or not shape
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise CorruptCheckpoint("bitsandbytes quant_state JSON lacks a positive blocksize or a shape",
+                                file=info.file, tensor=info.name)
+    return qs
+
+
+def find_4bit_modules(tensors: Mapping[str, TensorInfo]) -> list[QuantModule]:
+    modules = []
+    blobs = read_small_tensors((info for name, info in tensors.items() if QS_PREFIX in name),
+                               limit=64 << 10)
+    for name, info in tensors.items():
+        if QS_PREFIX not in name:
+            continue
+        prefix, _, qtype = name.partition(QS_PREFIX)
+        qs = parse_quant_state(info, blobs[name])
+        problems = []
+        if qs.get("quant_type") != qtype:
+            problems.append(f"quant_state tensor says {qtype} but its JSON says {qs.get('quant_type')!r}")
+        shape = qs["shape"]
+        out, inp = (shape[0], math.prod(shape[1:])) if len(shape) > 1 else (shape[0], 1)
+        n = out * inp
+        blocksize = qs["blocksize"]
+        if blocksize & (blocksize - 1) or not 32 <= blocksize <= 4096:
+            problems.append(f"blocksize {blocksize} is not a power of two in 32..4096")
+        weight = tensors.get(prefix + ".weight")
+        storage = None
+        if weight is None:
+            problems.append("has a quant_state but no packed weight tensor")
+        else:
+            storage = STORAGE_NAMES.get(weight.dtype, weight.dtype)
+            if weight.nbytes != (n + 1) // 2:
+                problems.append(f"packed weight holds {weight.nbytes} bytes; shape {shape} needs "
+                                f"{(n + 1) // 2}")
+        absmax = tensors.get(prefix + ".weight.absmax")
+        double = prefix + ".weight.nested_absmax" in tensors
+        for leaf in ("absmax", "quant_map") + (("nested_absmax", "nested_quant_map") if double else ()):
+            if prefix + ".weight." + leaf not in tensors:
+                problems.append(f"missing {leaf} tensor")
+        n_blocks = -(-n // blocksize)
+        if absmax is not None:
+            if absmax.numel != n_blocks:
+                problems.append(f"absmax has {absmax.numel} entries; {n} weights in blocks of "
+                                f"{blocksize} need {n_blocks}")
+            if double and absmax.dtype != "U8":
+                problems.append(f"double-quant absmax is {absmax.dtype}, expected uint8 codes")
+            if not double and absmax.dtype != "F32":
+                problems.append(f"absmax is {absmax.dtype}, expected float32")
+        if double and "nested_offset" not in qs:
+            problems.append("double quant without nested_offset in the quant_state JSON")
+        state = tuple(t for t in (name, *(prefix + ".weight." + s for s in STATE_4BIT)) if t in tensors)
+        details = {"quant_type": qtype, "blocksize": blocksize, "double_quant": double,
+                   "quant_storage": storage, "dtype": qs.get("dtype")}
+        modules.append(QuantModule(prefix, "bnb4", qtype, 4,
+                                   out, inp, (prefix + ".weight",) if weight is not None else (), state,
+                                   group_size=blocksize, details=details, problems=tuple(problems)))
+    return modules
+
+
+# ---------------------------------------------------------------------------------------------
+# llm_int8_skip_modules matching (FORMATS.md §1.4)
+
+_BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"
+
+
+def skipped_by_transformers5(name: str, key: str) -> bool:
+    """transformers >= 5 (quantizers_utils.should_convert_module): anchored regex up to a module
+    boundary, or a plain suffix."""
+    try:
+        hit = re.match(rf"(?:{key}){_BOUNDARY}", name) is not None
+    except re.error:
+        hit = name == key or name.startswith(key + ".")
+    return hit or name.endswith(key)
+
+
+def skipped_by_transformers4(name: str, key: str) -> bool:
+    """transformers 4.x (_replace_with_bnb_linear): local name, substring ``key + '.'``, or equal."""
+    return name.rpartition(".")[2] == key or (key + ".") in name or key == name
+
+
+def parse_config(qc: Mapping) -> dict:
+    """The bitsandbytes fields of a quantization_config that matter to a reader."""
+    eight = bool(qc.get("load_in_8bit") or qc.get("_load_in_8bit"))
+    four = bool(qc.get("load_in_4bit") or qc.get("_load_in_4bit"))
+    return {"load_in_8bit": eight, "load_in_4bit": four,
+            "threshold": qc.get("llm_int8_threshold", 6.0),
+            "skip_modules": qc.get("llm_int8_skip_modules"),
+            "quant_type": qc.get("bnb_4bit_quant_type", "fp4"),
+            "double_quant": bool(qc.get("bnb_4bit_use_double_quant", False)),
+            "quant_storage": qc.get("bnb_4bit_quant_storage", "uint8"),
+            "compute_dtype": qc.get("bnb_4bit_compute_dtype")}
+

@@ -1,0 +1,204 @@
+"""GPTQ-packed integer checkpoints (AutoGPTQ, GPTQModel, auto-round), described from headers.
+
+Per quantized Linear ``P`` with ``b``-bit codes in 32-bit words (FORMATS.md §3.1)::
+
+    P.qweight  int32 [in*b/32, out]   packed along in (dim 0), LSB-first bitstream
+    P.qzeros   int32 [G, out*b/32]    packed along out (dim 1); v1 stores z-1, v2 stores z
+    P.scales   fp16  [G, out]         G = ceil(in / group_size), 1 for group_size -1
+    P.g_idx    int32 [in]             optional: group of each input channel (act-order)
+
+So ``out`` comes from scales, ``b`` from qzeros' width against out, ``in`` from qweight's rows, and
+every module's bit width can be read from its shapes alone, mixed-bit checkpoints included.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Mapping
+
+from .layout import QuantModule, int_scheme
+from .safetensors_header import DTYPES, TensorInfo
+
+STATE_LEAVES = ("qzeros", "scales", "g_idx")
+_WORD_DTYPES = {"I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64"}
+
+
+def find_modules(tensors: Mapping[str, TensorInfo], fallback_bits=None) -> list[QuantModule]:
+    """``fallback_bits(module)`` gives the configured width for a module without qzeros."""
+    modules = []
+    for name, qweight in tensors.items():
+        if not name.endswith(".qweight"):
+            continue
+        prefix = name[: -len(".qweight")]
+        qzeros = tensors.get(prefix + ".qzeros")
+        scales = tensors.get(prefix + ".scales")
+        g_idx = tensors.get(prefix + ".g_idx")
+        problems = []
+        if qweight.dtype not in _WORD_DTYPES or len(qweight.shape) != 2:
+            problems.append(f"qweight is {qweight.dtype} {list(qweight.shape)}, expected an integer "
+                            f"matrix [in*bits/32, out]")
+        word = DTYPES[qweight.dtype][0]
+        if scales is None:
+            problems.append("quantized module has no scales tensor")
+        elif len(scales.shape) != 2:
+            problems.append(f"scales has shape {list(scales.shape)}, expected [groups, out]")
+        out = (scales.shape[1] if scales is not None and len(scales.shape) == 2
+               else (qweight.shape[1] if len(qweight.shape) == 2 else 0))
+        groups = scales.shape[0] if scales is not None and len(scales.shape) == 2 else None
+        bits = None
+        if qzeros is None:
+            problems.append("quantized module has no qzeros tensor")
+        elif len(qzeros.shape) == 2 and out and (qzeros.shape[1] * word) % out == 0:
+            bits = qzeros.shape[1] * word // out
+            if groups is not None and qzeros.shape[0] != groups:
+                problems.append(f"qzeros has {qzeros.shape[0]} groups but scales has {groups}")
+        else:
+            problems.append(f"qzeros shape {list(qzeros.shape)} does not fit {out} output channels")
+        if bits is None and fallback_bits is not None:
+            bits = fallback_bits(prefix)
+        if not bits or not 1 <= bits <= 16:
+            problems.append("cannot tell the bit width from the shapes or the config")
+            bits = bits or 0
+        inp = 0
+        if bits and len(qweight.shape) == 2:
+            if (qweight.shape[0] * word) % bits:
+                problems.append(f"qweight has {qweight.shape[0]} rows of {word}-bit words, not a whole "
+                                f"number of {bits}-bit codes")
+            inp = qweight.shape[0] * word // bits
+            if out and qweight.shape[1] != out:
+                problems.append(f"qweight has {qweight.shape[1]} columns but scales has {out} outputs")
+        if g_idx is not None and inp and g_idx.shape != (inp,):
+            problems.append(f"g_idx has shape {list(g_idx.shape)}, expected [{inp}]")
+        group_size = None
+        if groups:
+            group_size = -1 if groups == 1 else (inp // groups if inp % groups == 0 else None)
+        state = tuple(prefix + "." + leaf for leaf in STATE_LEAVES if prefix + "." + leaf in tensors)
+        details = {"groups": groups, "has_g_idx": g_idx is not None,
+                   "scales_dtype": scales.dtype if scales is not None else None}
+        modules.append(QuantModule(prefix, "gptq", int_scheme(bits), bits, out, inp, (name,), state,
+                                   group_size=group_size, details=details, problems=tuple(problems)))
+    return modules
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+def normalise_packing_format(qc: Mapping) -> str | None:
+    """auto-round packing format, with the aliases current loaders accept (FORMATS.md §4.1)."""
+    fmt = qc.get("packing_format")
+    if fmt is None and qc.get("quant_method") == "intel/auto-round":
+        backend = str(qc.get("backend", ""))
+        fmt = ("auto_round:auto_gptq" if "gptq" in backend else
+               "auto_round:auto_awq" if "awq" in backend else "auto_round")
+    aliases = {None: "auto_round:auto_gptq", "auto": "auto_round:auto_gptq",
+               "auto_round:gptq": "auto_round:auto_gptq", "auto_round:awq": "auto_round:auto_awq"}
+    return aliases.get(fmt, fmt)
+
+
+AUTO_ROUND_READABLE = ("auto_round:auto_gptq", "auto_round:gptqmodel", "auto_round")
+GPTQ_FORMATS = ("gptq", "gptq_v2")
+
+
+def parse_config(qc: Mapping) -> dict:
+    method = qc.get("quant_method")
+    auto_round = method in ("auto-round", "intel/auto-round")
+    out = {"bits": qc.get("bits", qc.get("w_bit")),
+           "group_size": qc.get("group_size", qc.get("q_group_size")),
+           "sym": qc.get("sym", True),
+           "desc_act": bool(qc.get("desc_act", False))}
+    if auto_round:
+        fmt = normalise_packing_format(qc)
+        out["packing_format"] = fmt
+        out["zero_point"] = "stored z-1 (v1)" if fmt == "auto_round:auto_gptq" else "stored z (v2)"
+        out["data_type"] = qc.get("data_type", "int")
+    else:
+        fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
+        if qc.get("is_marlin_format"):
+            fmt = "marlin"
+        out["checkpoint_format"] = fmt
+        out["zero_point"] = "stored z (v2)" if fmt == "gptq_v2" else "stored z-1 (v1)"
+    return out
+
+
+def _is_plain_name(key: str) -> bool:
+    return re.fullmatch(r"[\w.]+", key) is not None
+
+
+def per_module_settings(qc: Mapping, module: str) -> dict | None:
+    """The bits/group_size/sym the config asks for at ``module``; None if it says not quantized.
+
+    auto-round ``extra_config`` (exact names first, then patterns applied with re.search) and
+    GPTQModel ``dynamic`` (``+:``/no prefix: overrides, ``-:``: not quantized, applied with re.match).
+    """
+    settings = {"bits": qc.get("bits", qc.get("w_bit")),
+                "group_size": qc.get("group_size", qc.get("q_group_size")),
+                "sym": qc.get("sym", True)}
+    extra = qc.get("extra_config") or {}
+    if isinstance(extra, dict):
+        override = extra.get(module)
+        if override is None:
+            for key, value in extra.items():
+                if key != module and not _is_plain_name(key) and _safe_search(key, module):
+                    override = value
+                    break
+        if isinstance(override, dict):
+            settings.update({k: v for k, v in override.items() if k in settings})
+    dynamic = qc.get("dynamic") or {}
+    if isinstance(dynamic, dict):
+        for key, value in dynamic.items():
+            negative = key.startswith("-:")
+            pattern = key[2:] if key[:2] in ("+:", "-:") else key
+            if _safe_match(pattern, module):
+                if negative:
+                    return None
+                if isinstance(value, dict):
+                    settings.update({k: v for k, v in value.items() if k in settings})
+                break
+    bits = settings["bits"]
+    if isinstance(bits, (int, float)) and bits >= 16:
+        return None
+    return settings
+
+
+def _safe_search(pattern: str, name: str) -> bool:
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:
+        return False
+
+
+def _safe_match(pattern: str, name: str) -> bool:
+    try:
+        return re.match(pattern, name) is not None
+    except re.error:
+        return False
+
+
+def unmatched_extra_config(qc: Mapping, module_names) -> list[str]:
+    """extra_config / dynamic keys that name no module of the checkpoint."""
+    names = list(module_names)
+    bad = []
+    extra = qc.get("extra_config") or {}
+    for key in (extra if isinstance(extra, dict) else {}):
+        if _is_plain_name(key):
+            if key not in names:
+                bad.append(f"extra_config names {key!r}, which is not a module of this checkpoint")
+        else:
+            try:
+                rx = re.compile(key)
+            except re.error as exc:
+                bad.append(f"extra_config key {key!r} is not a valid regex ({exc})")
+                continue
+            if not any(rx.search(n) for n in names):
+                bad.append(f"extra_config pattern {key!r} matches no module of this checkpoint")
+    dynamic = qc.get("dynamic") or {}
+    for key in (dynamic if isinstance(dynamic, dict) else {}):
+        pattern = key[2:] if key[:2] in ("+:", "-:") else key
+        try:
+            rx = re.compile(pattern)
+        except re.error as exc:
+            bad.append(f"dynamic key {key!r} is not a valid regex ({exc})")
+            continue
+        if not any(rx.match(n) for n in names):
+            bad.append(f"dynamic pattern {key!r} matches no module of this checkpoint")
+    return bad

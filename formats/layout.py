@@ -1,0 +1,49 @@
+"""What a quantized module looks like on disk, described from headers alone.
+
+Each format module (``bnb``, ``gptq``) turns the tensors of a checkpoint into ``QuantModule``
+records: which tensors hold the weight codes, which hold quantization state (scales, zero points,
+absmax, ...), the logical ``[out, in]`` shape and the scheme. Inspection, and later reading and
+writing, start from these records.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Mapping
+
+# Scheme names used in reports: int<bits> for integer codes (bnb int8 and GPTQ 8-bit are both int8),
+# nf4 / fp4 for bitsandbytes' 4-bit code books.
+def int_scheme(bits: int) -> str:
+    return f"int{bits}"
+
+
+@dataclass(frozen=True)
+class QuantModule:
+    name: str
+    family: str                      # "bnb8", "bnb4", "gptq"
+    scheme: str                      # "int8", "nf4", "fp4", "int4", ...
+    bits: int
+    out_features: int
+    in_features: int
+    weight_tensors: tuple[str, ...]  # stored codes: counted as parameters
+    state_tensors: tuple[str, ...]   # quantization state: scales, zeros, absmax, g_idx, ...
+    group_size: int | None = None    # GPTQ group (-1: one group per output channel); bnb4 blocksize
+    details: Mapping = field(default_factory=dict)
+    problems: tuple[str, ...] = ()
+
+    @property
+    def logical_parameters(self) -> int:
+        return self.out_features * self.in_features
+
+
+_NUM = re.compile(r"(\d+)")
+
+
+def natural_key(name: str):
+    """Sort key that orders layers.2 before layers.10."""
+    return [int(p) if p.isdigit() else p for p in _NUM.split(name)]
+
+
+def module_of(tensor_name: str) -> str:
+    return tensor_name.rpartition(".")[0]

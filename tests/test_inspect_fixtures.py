@@ -1,0 +1,170 @@
+"""`qconv inspect` on every reference checkpoint: golden reports, and cross-checks against what the
+producers themselves say (their oracles, their settings, and the model transformers loads)."""
+
+import ast
+import json
+import os
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from conftest import ALL_CHECKPOINTS, CHECKPOINTS, QUANTIZED, inspect_json, run_qconv
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def _report(name):
+    result = inspect_json(CHECKPOINTS / name)
+    assert result["path"] == str(CHECKPOINTS / name)
+    return result
+
+
+@pytest.mark.parametrize("name", ALL_CHECKPOINTS)
+def test_golden_report(name):
+    """Golden reports were checked by hand once (see tests/golden/README.md). Regenerate with
+    QCONV_UPDATE_GOLDEN=1 only when a change is intended, and review the diff."""
+    result = _report(name)
+    result.pop("path")
+    golden = GOLDEN / f"{name}.json"
+    if os.environ.get("QCONV_UPDATE_GOLDEN"):
+        golden.write_text(json.dumps(result, indent=2) + "\n")
+    assert result == json.loads(golden.read_text())
+
+
+def _provenance(name):
+    return json.loads((CHECKPOINTS / name / "oracle" / "PROVENANCE.json").read_text())
+
+
+def _expected_scheme(name, module):
+    """The scheme the producer was asked for, from PROVENANCE.json alone."""
+    prov = _provenance(name)
+    s = prov["settings"]
+    if prov["producer"] == "bitsandbytes":
+        return "int8" if s.get("load_in_8bit") == "True" else s["bnb_4bit_quant_type"]
+    layer_config = ast.literal_eval(s.get("layer_config", "{}"))
+    return f"int{layer_config.get(module, {}).get('bits', int(s['bits']))}"
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_modules_and_counts_match_the_producer_oracle(name):
+    """The oracle holds one [out, in] weight per module the producer quantized: the module list,
+    each module's scheme, and the logical parameter counts must all agree with it."""
+    (report,) = _report(name)["components"]
+    with safe_open(CHECKPOINTS / name / "oracle" / "dequant.safetensors", framework="pt") as f:
+        shapes = {k[: -len(".weight")]: f.get_slice(k).get_shape() for k in f.keys()}
+    listed = {m: s for s, mods in report["quantized_modules"].items() for m in mods}
+    assert sorted(listed) == sorted(shapes)
+    expected_params: dict = {}
+    for module, (out, inp) in shapes.items():
+        scheme = _expected_scheme(name, module)
+        assert listed[module] == scheme, module
+        expected_params[scheme] = expected_params.get(scheme, 0) + out * inp
+    assert report["quantized_parameters"] == expected_params
+    for names in report["quantized_modules"].values():
+        assert names == sorted(names, key=lambda n: [int(p) if p.isdigit() else p
+                                                      for p in __import__("re").split(r"(\d+)", n)])
+
+
+@pytest.mark.parametrize("name", ["llama-gptq-w2g128", "llama-gptq-w3g128", "llama-gptq-w4g128-actorder",
+                                  "llama-gptq-w4g64-asym", "llama-gptq-w8g128",
+                                  "llama-autoround-w4g128-mixed8", "llama-autoround-w8g128"])
+def test_gptq_settings_match_provenance(name):
+    (report,) = _report(name)["components"]
+    s = _provenance(name)["settings"]
+    assert report["bits"] == int(s["bits"])
+    assert report["group_size"] == int(s["group_size"])
+    assert report["sym"] == (s["sym"] == "True")
+    assert report["desc_act"] == (s.get("desc_act") == "True")
+    assert report["zero_point"] == "stored z-1 (v1)"   # GPTQModel "gptq" and auto_round:auto_gptq
+    if report["method"] == "auto-round":
+        assert report["packing_format"] == s["format"]
+    else:
+        assert report["method"] == "GPTQ" and report["checkpoint_format"] == "gptq"
+
+
+@pytest.mark.parametrize("name", ["llama-bnb4-fp4", "llama-bnb4-nf4-dq", "llama-bnb4-nf4-bf16storage"])
+def test_bnb4_settings_match_provenance(name):
+    (report,) = _report(name)["components"]
+    s = _provenance(name)["settings"]
+    assert report["method"] == "bitsandbytes 4-bit"
+    assert report["quant_type"] == s["bnb_4bit_quant_type"]
+    assert report["double_quant"] == (s["bnb_4bit_use_double_quant"] == "True")
+    assert report["quant_storage"] == s.get("bnb_4bit_quant_storage", "torch.uint8").split(".")[-1]
+    assert report["blocksize"] == 64                      # bitsandbytes 0.50's default (FORMATS §2.5)
+
+
+@pytest.mark.parametrize("name", ["llama-bnb8", "qwen3vl-bnb8-skipvisual", "llama-bnb4-fp4",
+                                  "llama-bnb4-nf4-dq", "llama-bnb4-nf4-bf16storage"])
+def test_bnb_parameter_dtypes_equal_named_parameters_of_the_loaded_model(name):
+    """Load the checkpoint with transformers + bitsandbytes on CPU: named_parameters() per dtype, and
+    the set of Linear8bitLt / Linear4bit modules, must be what inspect read from the headers."""
+    import bitsandbytes as bnb
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoModelForCausalLM
+
+    (report,) = _report(name)["components"]
+    cls = AutoModelForImageTextToText if name.startswith("qwen3vl") else AutoModelForCausalLM
+    model = cls.from_pretrained(CHECKPOINTS / name, device_map="cpu")
+    counts: dict = {}
+    for _, p in model.named_parameters():
+        counts[str(p.dtype)] = counts.get(str(p.dtype), 0) + p.numel()
+    assert report["parameter_dtypes"] == dict(sorted(counts.items()))
+    quantized = sorted(n for n, m in model.named_modules()
+                       if isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)))
+    listed = sorted(m for mods in report["quantized_modules"].values() for m in mods)
+    assert listed == quantized
+    del model, torch
+
+
+def test_pipeline_reports_each_weight_component_under_its_folder_name():
+    result = _report("pipeline-qwen3vl-bnb8")
+    assert result["kind"] == "pipeline"
+    assert [c["component"] for c in result["components"]] == ["text_encoder"]   # tokenizer has no weights
+    (pipe,) = result["components"]
+    (plain,) = _report("qwen3vl-bnb8-skipvisual")["components"]
+    assert {k: v for k, v in pipe.items() if k != "component"} == \
+        {k: v for k, v in plain.items() if k != "component"}
+
+
+def test_skip_visual_is_flagged_with_the_prefix_that_would_work():
+    (report,) = _report("qwen3vl-bnb8-skipvisual")["components"]
+    (warning,) = report["warnings"]
+    assert "'visual'" in warning and "'model.visual'" in warning and "14 quantized modules" in warning
+    assert report["skip_modules"] == ["lm_head", "visual"]
+    visual = [m for m in report["linear8bit_modules"] if m.startswith("model.visual.")]
+    assert len(visual) == 14
+
+
+def test_single_safetensors_file(tmp_path):
+    result = inspect_json(CHECKPOINTS / "llama-gptq-w4g64-asym" / "model.safetensors")
+    assert result["kind"] == "file"
+    (report,) = result["components"]
+    assert report["component"] == "model.safetensors"
+    assert report["config"] is None and report["method"] == "GPTQ"
+    assert report["bits"] == 4 and report["group_size"] == 64     # from the shapes alone
+    assert any("no quantization_config" in w for w in report["warnings"])
+
+
+def test_human_output_has_tables_and_folded_module_names():
+    proc = run_qconv("inspect", CHECKPOINTS / "llama-autoround-w4g128-mixed8", check=0)
+    out = proc.stdout
+    assert out.startswith("llama-autoround-w4g128-mixed8: auto-round")
+    assert "packing_format" in out and "auto_round:auto_gptq" in out
+    lines = [line.split() for line in out.splitlines()]
+    assert ["int4", "12", "983,040", "4.156"] in lines
+    assert ["int8", "2", "196,608", "8.188"] in lines
+    assert "    model.layers.{0-1}.mlp.gate_proj" in out.splitlines()
+    assert "    model.layers.0.self_attn.q_proj" in out.splitlines()        # the 8-bit one
+    assert proc.stderr == ""
+
+
+def test_output_is_deterministic():
+    a = run_qconv("inspect", "--json", CHECKPOINTS / "pipeline-qwen3vl-bnb8", check=0).stdout
+    b = run_qconv("inspect", "--json", CHECKPOINTS / "pipeline-qwen3vl-bnb8", check=0).stdout
+    assert a == b
+
+
+def test_strict_exits_1_on_warnings_only():
+    assert run_qconv("inspect", "--strict", CHECKPOINTS / "qwen3vl-bnb8-skipvisual").returncode == 1
+    assert run_qconv("inspect", "--strict", CHECKPOINTS / "llama-bnb8").returncode == 0
