@@ -12,11 +12,10 @@ from typing import Mapping
 
 from .formats import bnb, gptq
 from .formats.checkpoint import Component, open_target
+from .formats.detect import METHOD_NAMES, detect
 from .formats.layout import QuantModule, module_of, natural_key
 from .formats.safetensors_header import DTYPES, FLOAT_DTYPES
 
-METHOD_NAMES = {"bnb8": "bitsandbytes LLM.int8", "bnb4": "bitsandbytes 4-bit", "gptq": "GPTQ",
-                "auto-round": "auto-round", None: "unquantized"}
 # Tensors that are quantization state wherever they appear (also when orphaned).
 # (".scales" is left out: unquantized models have parameters of that name.)
 _STATE_SUFFIXES = (".SCB", ".weight_format", ".qzeros", ".g_idx", ".weight.absmax",
@@ -28,35 +27,6 @@ def inspect_path(path: str | Path) -> dict:
     target = open_target(path)
     return {"path": str(path), "kind": target.kind,
             "components": [inspect_component(c) for c in target.components]}
-
-
-def _config_method(qc: Mapping | None) -> str | None:
-    if not qc:
-        return None
-    method = qc.get("quant_method")
-    if method == "bitsandbytes":
-        b = bnb.parse_config(qc)
-        return "bnb4" if b["load_in_4bit"] else "bnb8" if b["load_in_8bit"] else "bitsandbytes"
-    if method in ("auto-round", "intel/auto-round"):
-        return "auto-round"
-    if method is None and "bits" in qc:          # a bare AutoGPTQ quantize_config.json
-        return "gptq"
-    return str(method)
-
-
-def _quant_config(comp: Component, warnings: list[str]) -> tuple[dict | None, str | None]:
-    qc = (comp.config or {}).get("quantization_config")
-    if qc:
-        source = "config.json"
-        for name, side in comp.side_configs.items():
-            for key in ("bits", "group_size", "sym", "desc_act"):
-                if key in side and key in qc and side[key] != qc[key]:
-                    warnings.append(f"{name} says {key}={side[key]!r} but config.json says "
-                                    f"{qc[key]!r}; loaders read config.json")
-        return dict(qc), source
-    for name, side in comp.side_configs.items():
-        return dict(side), name
-    return None, None
 
 
 def _examples(names) -> str:
@@ -183,33 +153,11 @@ def _common(values):
 
 
 def inspect_component(comp: Component) -> dict:
-    warnings: list[str] = list(comp.warnings)
+    det = detect(comp)
+    warnings: list[str] = list(comp.warnings) + list(det.warnings)
     tensors = comp.tensors
-    qc, qc_source = _quant_config(comp, warnings)
-    cfg_method = _config_method(qc)
-
-    modules = bnb.find_int8_modules(tensors) + bnb.find_4bit_modules(tensors)
-    if cfg_method in (None, "gptq", "auto-round"):
-        fallback = ((lambda name: (gptq.per_module_settings(qc, name) or {}).get("bits"))
-                    if qc else None)
-        modules += gptq.find_modules(tensors, fallback)
-    elif any(n.endswith(".qweight") for n in tensors):
-        warnings.append(f"quant_method {cfg_method!r} is not a format qconv decodes; its packed "
-                        f"tensors are listed as stored, not as quantized modules")
-    modules.sort(key=lambda m: natural_key(m.name))
-
-    families = {("auto-round" if m.family == "gptq" and cfg_method == "auto-round" else m.family)
-                for m in modules}
-    if len(families) > 1:
-        method = "mixed: " + ", ".join(METHOD_NAMES[f] for f in sorted(families))
-        warnings.append(f"modules of several methods in one checkpoint ({method[7:]}); no loader "
-                        f"reads that")
-    elif families:
-        method = METHOD_NAMES[families.pop()]
-    elif cfg_method in METHOD_NAMES or cfg_method == "bitsandbytes":
-        method = "unquantized"
-    else:
-        method = cfg_method  # a method qconv does not decode (awq, compressed-tensors, fp8, ...)
+    qc, qc_source, cfg_method, method = det.qc, det.qc_source, det.cfg_method, det.method
+    modules = list(det.modules)
 
     # Config against tensors.
     if qc is None and modules:
@@ -233,8 +181,8 @@ def inspect_component(comp: Component) -> dict:
     for p, names in problems.items():
         warnings.append(f"{len(names)} modules: {p} ({_examples(names)})")
 
-    state = {t for m in modules for t in m.state_tensors}
-    claimed = state | {t for m in modules for t in m.weight_tensors}
+    state = det.state_tensors
+    claimed = det.claimed_tensors
     orphans = [t for t in tensors if t not in claimed and t.endswith(_STATE_SUFFIXES)]
     if orphans:
         warnings.append(f"{len(orphans)} quantization-state tensors belong to no quantized module "

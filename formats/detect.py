@@ -1,0 +1,91 @@
+"""Which method a component uses and which modules are quantized: from its configs and tensor
+headers. Shared by `inspect` (which reports it) and the readers (which decode it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from . import bnb, gptq
+from .checkpoint import Component
+from .layout import QuantModule, natural_key
+
+METHOD_NAMES = {"bnb8": "bitsandbytes LLM.int8", "bnb4": "bitsandbytes 4-bit", "gptq": "GPTQ",
+                "auto-round": "auto-round", None: "unquantized"}
+
+
+@dataclass(frozen=True)
+class Detection:
+    qc: dict | None                  # the quantization config in force
+    qc_source: str | None            # the file it came from
+    cfg_method: str | None           # "bnb8", "bnb4", "gptq", "auto-round", or another quant_method
+    method: str                      # report name ("bitsandbytes LLM.int8", "GPTQ", "unquantized", ...)
+    modules: tuple[QuantModule, ...]
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def state_tensors(self) -> set[str]:
+        return {t for m in self.modules for t in m.state_tensors}
+
+    @property
+    def claimed_tensors(self) -> set[str]:
+        return self.state_tensors | {t for m in self.modules for t in m.weight_tensors}
+
+
+def config_method(qc: Mapping | None) -> str | None:
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "bitsandbytes":
+        b = bnb.parse_config(qc)
+        return "bnb4" if b["load_in_4bit"] else "bnb8" if b["load_in_8bit"] else "bitsandbytes"
+    if method in ("auto-round", "intel/auto-round"):
+        return "auto-round"
+    if method is None and "bits" in qc:          # a bare AutoGPTQ quantize_config.json
+        return "gptq"
+    return str(method)
+
+
+def quant_config(comp: Component, warnings: list[str]) -> tuple[dict | None, str | None]:
+    qc = (comp.config or {}).get("quantization_config")
+    if qc:
+        for name, side in comp.side_configs.items():
+            for key in ("bits", "group_size", "sym", "desc_act"):
+                if key in side and key in qc and side[key] != qc[key]:
+                    warnings.append(f"{name} says {key}={side[key]!r} but config.json says "
+                                    f"{qc[key]!r}; loaders read config.json")
+        return dict(qc), "config.json"
+    for name, side in comp.side_configs.items():
+        return dict(side), name
+    return None, None
+
+
+def detect(comp: Component) -> Detection:
+    warnings: list[str] = []
+    tensors = comp.tensors
+    qc, qc_source = quant_config(comp, warnings)
+    cfg_method = config_method(qc)
+
+    modules = bnb.find_int8_modules(tensors) + bnb.find_4bit_modules(tensors)
+    if cfg_method in (None, "gptq", "auto-round"):
+        fallback = ((lambda name: (gptq.per_module_settings(qc, name) or {}).get("bits"))
+                    if qc else None)
+        modules += gptq.find_modules(tensors, fallback)
+    elif any(n.endswith(".qweight") for n in tensors):
+        warnings.append(f"quant_method {cfg_method!r} is not a format qconv decodes; its packed "
+                        f"tensors are listed as stored, not as quantized modules")
+    modules.sort(key=lambda m: natural_key(m.name))
+
+    families = {("auto-round" if m.family == "gptq" and cfg_method == "auto-round" else m.family)
+                for m in modules}
+    if len(families) > 1:
+        method = "mixed: " + ", ".join(METHOD_NAMES[f] for f in sorted(families))
+        warnings.append(f"modules of several methods in one checkpoint ({method[7:]}); no loader "
+                        f"reads that")
+    elif families:
+        method = METHOD_NAMES[families.pop()]
+    elif cfg_method in METHOD_NAMES or cfg_method == "bitsandbytes":
+        method = "unquantized"
+    else:
+        method = cfg_method  # a method qconv does not decode (awq, compressed-tensors, fp8, ...)
+    return Detection(qc, qc_source, cfg_method, method, tuple(modules), tuple(warnings))

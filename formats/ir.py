@@ -1,0 +1,112 @@
+"""qconv's canonical representation of a quantized Linear weight: every reader produces it, every
+writer consumes it, and it dequantizes itself exactly as the producing library does.
+
+Integer schemes (bitsandbytes LLM.int8, GPTQ, auto-round), in nn.Linear orientation::
+
+    w[o, i] = ((codes[o, i] - zeros[o, g]) * scales[o, g]) * (1 / scale_divisor),   g = g_idx[i]
+
+with unsigned codes (bnb int8 CB is stored here as CB + 128 against a zero point of 128), true zero
+points (never GPTQ v1's stored z - 1), g_idx = i // group_size unless act-order says otherwise, and
+group_size -1 meaning one group per output row. bitsandbytes keeps the row absmax (SCB) as its scale
+with scale_divisor 127, so ``(CB * SCB) * float32(1/127)`` is reproduced in bitsandbytes' own order.
+
+Code-book schemes (bitsandbytes nf4 / fp4), over the row-major flattened weight::
+
+    w.flat[j] = codebook[codes[j]] * absmax[j // blocksize]
+
+where absmax is already decoded from double quantization (kept in ``double_quant`` too, so that a
+bitsandbytes write can reproduce the stored bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    scheme: str                      # "int" | "nf4" | "fp4"
+    bits: int
+    group_size: int                  # int: inputs per group, -1 = per output row; nf4/fp4: blocksize
+    symmetric: bool
+    codebook: tuple[float, ...] | None = None
+    scale_divisor: int = 1           # 127 for bitsandbytes int8 (scales hold the row absmax)
+    scale_dtype: str = "F32"         # the dtype the scales were stored in (safetensors code)
+    # On-disk variant of the source, made explicit; writers decide deliberately what to emit.
+    zero_encoding: str | None = None     # GPTQ qzeros: "v1" (stored z-1) | "v2" (stored z)
+    storage: str | None = None           # bitsandbytes 4-bit quant storage dtype code ("U8", "BF16", ...)
+
+    def __post_init__(self):
+        if self.scheme not in ("int", "nf4", "fp4"):
+            raise ValueError(f"unknown scheme {self.scheme!r}")
+        if self.scheme != "int" and (self.codebook is None or len(self.codebook) != 1 << self.bits):
+            raise ValueError(f"{self.scheme} needs a codebook of {1 << self.bits} values")
+
+    @property
+    def name(self) -> str:
+        """Report name: int8, int4, nf4, fp4, ..."""
+        return f"int{self.bits}" if self.scheme == "int" else self.scheme
+
+
+@dataclass(frozen=True, eq=False)
+class DoubleQuant:
+    """bitsandbytes' second-level quantization of the 4-bit absmax (FORMATS.md §2.4)."""
+
+    codes: np.ndarray            # uint8 [n_blocks]
+    nested_absmax: np.ndarray    # float32 [ceil(n_blocks / blocksize)]
+    nested_map: np.ndarray       # float32 [256]
+    offset: np.float32
+    blocksize: int = 256
+
+    def decode(self) -> np.ndarray:
+        """absmax exactly as bitsandbytes rebuilds it: (map[c] * nested_absmax[i // 256]) + offset."""
+        blocks = np.arange(self.codes.size) // self.blocksize
+        absmax = self.nested_map[self.codes] * self.nested_absmax[blocks]
+        return (absmax + np.float32(self.offset)).astype(np.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantTensor:
+    spec: QuantSpec
+    shape: tuple[int, int]           # logical [out, in]
+    dtype: str                       # the weight's original dtype: "float16", "bfloat16", "float32"
+    codes: np.ndarray                # uint8; int: [out, in]; nf4/fp4: [out * in]
+    scales: np.ndarray               # float32; int: [out, G]; nf4/fp4: [n_blocks] (decoded absmax)
+    zeros: np.ndarray | None = None  # int: [out, G] true zero points
+    g_idx: np.ndarray | None = None  # int: [in], None = contiguous groups (i // group_size)
+    double_quant: DoubleQuant | None = None
+
+    @property
+    def groups(self) -> np.ndarray:
+        """Group of each input channel."""
+        if self.g_idx is not None:
+            return self.g_idx
+        inp = self.shape[1]
+        if self.spec.group_size <= 0:
+            return np.zeros(inp, dtype=np.int64)
+        return np.arange(inp) // self.spec.group_size
+
+    def dequantize_rows(self, r0: int, r1: int) -> np.ndarray:
+        """Rows r0:r1 of the float32 weight, in the producer's order of operations."""
+        out, inp = self.shape
+        if self.spec.scheme == "int":
+            g = self.groups
+            q = self.codes[r0:r1].astype(np.int32)
+            z = self.zeros[r0:r1]
+            s = self.scales[r0:r1]
+            if z.shape[1] == 1:
+                w = (q - z.astype(np.int32)).astype(np.float32) * s
+            else:
+                w = (q - z[:, g].astype(np.int32)).astype(np.float32) * s[:, g]
+            if self.spec.scale_divisor != 1:
+                w *= np.float32(1.0 / self.spec.scale_divisor)
+            return w
+        book = np.asarray(self.spec.codebook, dtype=np.float32)
+        j0, j1 = r0 * inp, r1 * inp
+        blocks = np.arange(j0, j1) // self.spec.group_size
+        return (book[self.codes[j0:j1]] * self.scales[blocks]).reshape(r1 - r0, inp)
+
+    def dequantize(self) -> np.ndarray:
+        return self.dequantize_rows(0, self.shape[0])

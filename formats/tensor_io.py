@@ -1,0 +1,87 @@
+"""Tensor bytes <-> numpy, without torch: positioned reads of one tensor (or a slab of its rows) and the
+float conversions safetensors dtypes need. numpy has no bfloat16, so BF16 travels as its raw uint16
+bits and is widened / rounded here exactly as torch does (round to nearest even, NaN kept)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CorruptCheckpoint
+from .safetensors_header import TensorInfo
+
+# safetensors dtype -> numpy dtype of the stored bits (BF16 as raw uint16).
+NUMPY = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
+         "F16": np.float16, "BF16": np.uint16, "U32": np.uint32, "I32": np.int32, "F32": np.float32,
+         "U64": np.uint64, "I64": np.int64, "F64": np.float64}
+FLOAT_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+
+
+def read_array(info: TensorInfo, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """The tensor's stored values (or rows r0:r1 of its first dimension), freshly read, never mapped."""
+    if info.dtype not in NUMPY:
+        raise CorruptCheckpoint(f"dtype {info.dtype} cannot be read by qconv", file=info.file,
+                                tensor=info.name)
+    dtype = np.dtype(NUMPY[info.dtype])
+    shape = info.shape
+    offset, nbytes = info.offset, info.nbytes
+    if rows is not None:
+        row_bytes = (info.nbytes // shape[0]) if shape and shape[0] else 0
+        offset += rows[0] * row_bytes
+        nbytes = (rows[1] - rows[0]) * row_bytes
+        shape = (rows[1] - rows[0],) + tuple(shape[1:])
+    out = np.empty(nbytes // dtype.itemsize, dtype=dtype)
+    try:
+        with open(info.file, "rb", buffering=0) as f:
+            f.seek(offset)
+            got = f.readinto(memoryview(out).cast("B"))
+    except OSError as exc:
+        raise CorruptCheckpoint(f"cannot read: {exc.strerror or exc}", file=info.file,
+                                tensor=info.name) from None
+    if got != nbytes:
+        raise CorruptCheckpoint("file ended while reading the tensor: truncated", file=info.file,
+                                tensor=info.name)
+    return out.reshape(shape)
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), round to nearest even; NaNs stay quiet NaNs (as torch)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + (np.uint32(0x7FFF) + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        rounded[nan] = ((u[nan] >> 16) | 0x0040).astype(np.uint16)
+    return rounded
+
+
+def to_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "BF16":
+        return bf16_to_f32(values)
+    return values.astype(np.float32, copy=False)
+
+
+def encode_float(x32: np.ndarray, code: str) -> np.ndarray:
+    """float32 values -> the stored representation of ``code`` (F16, BF16 bits, or F32)."""
+    if code == "F32":
+        return np.ascontiguousarray(x32, dtype=np.float32)
+    if code == "F16":
+        return x32.astype(np.float16)
+    if code == "BF16":
+        return f32_to_bf16(x32)
+    raise ValueError(code)
+
+
+def convert_float(values: np.ndarray, src: str, dst: str) -> np.ndarray:
+    """Cast stored float values between safetensors float dtypes, as torch's .to() does."""
+    if src == dst:
+        return values
+    if src == "F32" or (src == "F16" and dst == "F32") or src == "BF16":
+        return encode_float(to_float32(values, src), dst)
+    if src == "F16" and dst == "BF16":                 # f16 -> f32 is exact, then one rounding
+        return f32_to_bf16(values.astype(np.float32))
+    if src == "F64":
+        return encode_float(values.astype(np.float32), dst)
+    raise ValueError(f"{src} -> {dst}")
