@@ -60,6 +60,59 @@ def inspect_cmd(path: Path, as_json: bool, all_modules: bool, strict: bool) -> i
     return EXIT_FAILED if strict and has_warnings else EXIT_OK
 
 
+def _summary_table(result: dict) -> str:
+    from tabulate import tabulate
+
+    rows = [(c["component"], c["method"], c["dtype"], c["dequantized_modules"], c["tensors"],
+             len(c["shards"]), f"{c['bytes_written'] / 1e9:.3f}") for c in result["components"]]
+    text = tabulate(rows, headers=["component", "source method", "dtype", "dequantized modules",
+                                   "tensors", "shards", "GB written"])
+    return f"{text}\nwrote {result['destination']} in {result['seconds']:.1f} s"
+
+
+@cli.command("dequantize", epilog=EXIT_CODES_HELP)
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--dtype", type=click.Choice(["auto", "float16", "bfloat16", "float32"]), default="auto",
+              show_default=True, help="Output dtype; auto = the model's own dtype (config.json).")
+@click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty.")
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="Largest output shard, e.g. 5GB, 500MB.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def dequantize_cmd(src: Path, dst: Path, dtype: str, overwrite: bool, max_shard_size: str,
+                   as_json: bool) -> int:
+    """Write SRC (bitsandbytes int8/4-bit, GPTQ or auto-round) to DST as a standard unquantized
+    folder: sharded safetensors with an index, config.json without quantization_config, and every
+    other file copied. Pipelines: each quantized component is dequantized, the rest copied.
+
+    Output is written to a temporary folder beside DST and renamed at the end; SRC is never written.
+    """
+    from .convert.dequantize import dequantize
+
+    result = dequantize(src, dst, dtype=None if dtype == "auto" else dtype, overwrite=overwrite,
+                        max_shard_size=_parse_size(max_shard_size))
+    for comp in result["components"]:
+        for w in comp["warnings"]:
+            click.echo(f"qconv: warning: {comp['component']}: {w}", err=True)
+    click.echo(json.dumps(result, indent=2) if as_json else _summary_table(result))
+    return EXIT_OK
+
+
+def _parse_size(text: str) -> int:
+    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "B": 1}
+    t = text.strip().upper()
+    for unit, factor in units.items():
+        if t.endswith(unit):
+            try:
+                value = float(t[: -len(unit)])
+            except ValueError:
+                break
+            if value > 0:
+                return int(value * factor)
+            break
+    raise click.BadParameter(f"{text!r} is not a size like 5GB or 500MB", param_hint="--max-shard-size")
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         rv = cli.main(args=argv, prog_name="qconv", standalone_mode=False)

@@ -1,0 +1,42 @@
+"""Decode a component's quantized modules into QuantTensors, one module at a time."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from . import bnb, gptq
+from .checkpoint import Component
+from .detect import Detection
+from .ir import QuantTensor
+from .layout import QuantModule
+from .tensor_io import FLOAT_CODES
+
+FLOAT_NAMES = tuple(FLOAT_CODES)
+
+
+def model_dtype(comp: Component, det: Detection) -> str:
+    """The dtype the weights had before quantization: config dtype, else bitsandbytes' quant_state
+    dtype, else float16."""
+    cfg = comp.config or {}
+    for key in ("dtype", "torch_dtype"):
+        value = str(cfg.get(key, "")).replace("torch.", "")
+        if value in FLOAT_NAMES:
+            return value
+    for m in det.modules:
+        if m.family == "bnb4" and m.details.get("dtype") in FLOAT_NAMES:
+            return m.details["dtype"]
+    return "float16"
+
+
+def read_module(comp: Component, det: Detection, m: QuantModule, dtype: str) -> QuantTensor:
+    if m.family == "bnb8":
+        return bnb.read_int8(m, comp.tensors, dtype)
+    if m.family == "bnb4":
+        return bnb.read_4bit(m, comp.tensors)
+    return gptq.read(m, comp.tensors, det.qc, dtype)
+
+
+def iter_modules(comp: Component, det: Detection, dtype: str) -> Iterator[tuple[QuantModule, QuantTensor]]:
+    """Stream: each quantized module decoded on demand; only one is alive at a time."""
+    for m in det.modules:
+        yield m, read_module(comp, det, m, dtype)
