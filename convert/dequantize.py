@@ -27,7 +27,7 @@ from ..formats.safetensors_writer import ShardWriter, index_json, plan_shards
 from ..formats.tensor_io import FLOAT_CODES, convert_float, encode_float, read_array
 from .staging import staged_output
 
-SLAB_BYTES = 8 << 20            # float32 working set of one slab of rows
+SLAB_BYTES = 4 << 20            # bytes of one slab of rows of a plain tensor
 DEFAULT_MAX_SHARD = 5 * 10**9   # transformers' default max_shard_size ("5GB")
 
 
@@ -58,15 +58,14 @@ def plan_component(comp: Component, det: Detection, code: str) -> list[OutTensor
     return [out[k] for k in sorted(out, key=natural_key)]
 
 
-def _rows_per_slab(shape) -> int:
-    row = 4 * max(1, int(np.prod(shape[1:])) if len(shape) > 1 else 1)
-    return max(1, SLAB_BYTES // row)
+def _rows_per_slab(info: TensorInfo) -> int:
+    return max(1, SLAB_BYTES // max(1, info.nbytes // max(1, info.shape[0])))
 
 
 def _chunks(t: OutTensor, comp, det, src_dtype_name):
     if t.module is not None:
         qt = read_module(comp, det, t.module, src_dtype_name)
-        rows = _rows_per_slab(t.shape)
+        rows = qt.slab_rows()
         for r0 in range(0, t.shape[0], rows):
             yield encode_float(qt.dequantize_rows(r0, min(r0 + rows, t.shape[0])), t.dtype)
         return
@@ -75,7 +74,7 @@ def _chunks(t: OutTensor, comp, det, src_dtype_name):
         data = read_array(info)
         yield convert_float(data, info.dtype, t.dtype) if info.dtype in FLOAT_DTYPES else data
         return
-    rows = _rows_per_slab(info.shape)
+    rows = _rows_per_slab(info)
     for r0 in range(0, info.shape[0], rows):
         data = read_array(info, rows=(r0, min(r0 + rows, info.shape[0])))
         yield convert_float(data, info.dtype, t.dtype) if info.dtype in FLOAT_DTYPES else data

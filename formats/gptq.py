@@ -9,6 +9,7 @@ Per quantized Linear ``P`` with ``b``-bit codes in 32-bit words (FORMATS.md §3.
 
 So ``out`` comes from scales, ``b`` from qzeros' width against out, ``in`` from qweight's rows, and
 every module's bit width can be read from its shapes alone, mixed-bit checkpoints included.
+Stdlib only, so `inspect` stays light; decoding the data is gptq_codec.py.
 """
 
 from __future__ import annotations
@@ -16,14 +17,8 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-import numpy as np
-
-from ..errors import CorruptCheckpoint, UnsupportedFormat
-from .ir import QuantSpec, QuantTensor
 from .layout import QuantModule, int_scheme
-from .packing import pack_int32, unpack_int32
 from .safetensors_header import DTYPES, TensorInfo
-from .tensor_io import encode_float, read_array, to_float32
 
 STATE_LEAVES = ("qzeros", "scales", "g_idx")
 _WORD_DTYPES = {"I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64"}
@@ -208,92 +203,3 @@ def unmatched_extra_config(qc: Mapping, module_names) -> list[str]:
         if not any(rx.match(n) for n in names):
             bad.append(f"dynamic pattern {key!r} matches no module of this checkpoint")
     return bad
-
-
-# ---------------------------------------------------------------------------------------------
-# Reader: QuantModule (from headers) + tensor data -> QuantTensor
-
-def zero_decoding(qc: Mapping | None) -> tuple[str, bool]:
-    """(zero encoding, word_carry) for a checkpoint's qzeros.
-
-    v1 stores z - 1. Readers add 1 field by field (AutoGPTQ, vLLM, exllama), except GPTQModel, which
-    adds 0x11111111 / 0x01010101 / 0x55555555 to whole int32 words (carrying across fields) and wrote
-    its v1 files by the matching word-wise subtraction. A GPTQModel v1 file is therefore decoded the
-    way GPTQModel reads it, so a zero point of 0 and its neighbour both come back as quantized.
-    """
-    if not qc:
-        return "v1", False
-    settings = parse_config(qc)
-    encoding = "v2" if settings["zero_point"] == "stored z (v2)" else "v1"
-    meta = qc.get("meta") if isinstance(qc.get("meta"), dict) else {}
-    quantizer = " ".join(map(str, meta.get("quantizer") or []))
-    word_carry = encoding == "v1" and "gptqmodel" in quantizer
-    return encoding, word_carry
-
-
-def _decode_zeros(words: np.ndarray, bits: int, encoding: str, word_carry: bool) -> np.ndarray:
-    mask = (1 << bits) - 1
-    if encoding == "v2":
-        return unpack_int32(words, bits, axis=1)
-    if word_carry and 32 % bits == 0:
-        one_per_field = sum(1 << (bits * j) for j in range(32 // bits))
-        carried = (words.view(np.uint32).astype(np.uint64) + one_per_field) & 0xFFFFFFFF
-        return unpack_int32(carried.astype(np.uint32), bits, axis=1)
-    return ((unpack_int32(words, bits, axis=1).astype(np.int16) + 1) & mask).astype(np.uint8)
-
-
-def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None,
-         dtype: str) -> QuantTensor:
-    qweight = tensors[m.name + ".qweight"]
-    if m.problems:
-        raise CorruptCheckpoint(m.problems[0] + "; cannot decode it", file=qweight.file, tensor=m.name)
-    if qweight.dtype not in ("I32", "U32"):
-        raise UnsupportedFormat(f"qweight packed in {qweight.dtype} words; qconv reads int32 packing",
-                                file=qweight.file, tensor=qweight.name)
-    bits, out, inp = m.bits, m.out_features, m.in_features
-    encoding, word_carry = zero_decoding(qc)
-    settings = (per_module_settings(qc, m.name) if qc else None) or {}
-    groups = m.details["groups"]
-    codes = np.ascontiguousarray(unpack_int32(read_array(qweight), bits, axis=0).T)   # [out, in]
-    zeros_info, scales_info = tensors[m.name + ".qzeros"], tensors[m.name + ".scales"]
-    zeros = _decode_zeros(read_array(zeros_info), bits, encoding, word_carry)[:, :out]
-    scales = to_float32(read_array(scales_info), scales_info.dtype)
-    g_idx = None
-    if m.name + ".g_idx" in tensors:
-        info = tensors[m.name + ".g_idx"]
-        g_idx = read_array(info).astype(np.int64)
-        if g_idx.size and (g_idx.min() < 0 or g_idx.max() >= groups):
-            raise CorruptCheckpoint(f"g_idx holds groups outside 0..{groups - 1}", file=info.file,
-                                    tensor=info.name)
-    group_size = settings.get("group_size")
-    if not isinstance(group_size, int) or group_size == 0 or (
-            -(-inp // group_size) if group_size > 0 else 1) != groups:
-        group_size = -1 if groups == 1 else m.group_size
-    if group_size is None:
-        raise CorruptCheckpoint(f"{inp} input channels in {groups} groups has no whole group size "
-                                f"and the config gives none that fits", file=qweight.file, tensor=m.name)
-    if g_idx is not None:
-        trivial = np.zeros(inp, np.int64) if group_size <= 0 else np.arange(inp) // group_size
-        if np.array_equal(g_idx, trivial):
-            g_idx = None
-    spec = QuantSpec("int", bits, group_size, bool(settings.get("sym", True)),
-                     scale_dtype=scales_info.dtype, zero_encoding=encoding)
-    return QuantTensor(spec, (out, inp), dtype, codes=codes, scales=np.ascontiguousarray(scales.T),
-                       zeros=np.ascontiguousarray(zeros.T), g_idx=g_idx)
-
-
-def encode(qt: QuantTensor, *, zero_encoding: str = "v1") -> dict[str, np.ndarray]:
-    """QuantTensor -> the arrays of a GPTQ module: qweight, qzeros, scales, g_idx (nn.Linear-free
-    orientation of §3.1). v1 stores z - 1 one field at a time (never whole-word arithmetic)."""
-    spec = qt.spec
-    if spec.scheme != "int" or spec.scale_divisor != 1:
-        raise ValueError("GPTQ encodes integer codes with plain scales")
-    bits = spec.bits
-    mask = (1 << bits) - 1
-    zeros = qt.zeros.astype(np.int16)
-    if zero_encoding == "v1":
-        zeros = (zeros - 1) & mask
-    return {"qweight": pack_int32(qt.codes.T, bits, axis=0),
-            "qzeros": pack_int32(np.ascontiguousarray(zeros.T.astype(np.uint8)), bits, axis=1),
-            "scales": encode_float(np.ascontiguousarray(qt.scales.T), spec.scale_dtype),
-            "g_idx": qt.groups.astype(np.int32)}

@@ -90,23 +90,45 @@ class QuantTensor:
 
     def dequantize_rows(self, r0: int, r1: int) -> np.ndarray:
         """Rows r0:r1 of the float32 weight, in the producer's order of operations."""
-        out, inp = self.shape
+        inp = self.shape[1]
+        rows = r1 - r0
         if self.spec.scheme == "int":
-            g = self.groups
-            q = self.codes[r0:r1].astype(np.int32)
-            z = self.zeros[r0:r1]
+            w = self.codes[r0:r1].astype(np.float32)            # q - z is exact in float32
+            z = self.zeros[r0:r1].astype(np.float32)
             s = self.scales[r0:r1]
-            if z.shape[1] == 1:
-                w = (q - z.astype(np.int32)).astype(np.float32) * s
+            n_groups, gs = z.shape[1], self.spec.group_size
+            if n_groups == 1:
+                w -= z
+                w *= s
+            elif self.g_idx is None and gs > 0 and n_groups * gs == inp:
+                w3 = w.reshape(rows, n_groups, gs)
+                w3 -= z[:, :, None]
+                w3 *= s[:, :, None]
             else:
-                w = (q - z[:, g].astype(np.int32)).astype(np.float32) * s[:, g]
+                g = self.groups
+                w -= z[:, g]
+                w *= s[:, g]
             if self.spec.scale_divisor != 1:
                 w *= np.float32(1.0 / self.spec.scale_divisor)
             return w
         book = np.asarray(self.spec.codebook, dtype=np.float32)
+        bs = self.spec.group_size
         j0, j1 = r0 * inp, r1 * inp
-        blocks = np.arange(j0, j1) // self.spec.group_size
-        return (book[self.codes[j0:j1]] * self.scales[blocks]).reshape(r1 - r0, inp)
+        w = book[self.codes[j0:j1]]
+        if j0 % bs == 0 and (j1 - j0) % bs == 0:
+            w.reshape(-1, bs).__imul__(self.scales[j0 // bs:j1 // bs, None])
+        else:
+            w *= self.scales[np.arange(j0, j1) // bs]
+        return w.reshape(rows, inp)
+
+    def slab_rows(self, target_elements: int = 1 << 20) -> int:
+        """Rows per slab near target_elements; for code books, whole blocks per slab."""
+        inp = max(self.shape[1], 1)
+        rows = max(1, target_elements // inp)
+        if self.spec.scheme != "int":
+            step = self.spec.group_size // np.gcd(inp, self.spec.group_size)
+            rows = max(step, rows // step * step)
+        return rows
 
     def dequantize(self) -> np.ndarray:
         return self.dequantize_rows(0, self.shape[0])

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from . import bnb, gptq
+from . import bnb_codec, gptq_codec
 from .checkpoint import Component
 from .detect import Detection
 from .ir import QuantTensor
 from .layout import QuantModule
-from .tensor_io import FLOAT_CODES
 
-FLOAT_NAMES = tuple(FLOAT_CODES)
+FLOAT_NAMES = ("float16", "bfloat16", "float32")
 
 
 def model_dtype(comp: Component, det: Detection) -> str:
@@ -30,10 +29,10 @@ def model_dtype(comp: Component, det: Detection) -> str:
 
 def read_module(comp: Component, det: Detection, m: QuantModule, dtype: str) -> QuantTensor:
     if m.family == "bnb8":
-        return bnb.read_int8(m, comp.tensors, dtype)
+        return bnb_codec.read_int8(m, comp.tensors, dtype)
     if m.family == "bnb4":
-        return bnb.read_4bit(m, comp.tensors)
-    return gptq.read(m, comp.tensors, det.qc, dtype)
+        return bnb_codec.read_4bit(m, comp.tensors)
+    return gptq_codec.read(m, comp.tensors, det.qc, dtype)
 
 
 def iter_modules(comp: Component, det: Detection, dtype: str) -> Iterator[tuple[QuantModule, QuantTensor]]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import queue
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +60,38 @@ def index_json(shards: list[Shard]) -> str | None:
     return json.dumps(doc, indent=2) + "\n"
 
 
+class _BackgroundFile:
+    """A file written by a helper thread, so the next slab is computed while this one is written
+    (numpy and file writes release the GIL). At most ``depth`` chunks wait in memory."""
+
+    def __init__(self, path: Path, depth: int = 8):
+        self._f = open(path, "wb")
+        self._q: queue.Queue = queue.Queue(depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="qconv-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            if self._error is None:
+                try:
+                    self._f.write(item)
+                except BaseException as exc:  # re-raised in the caller's thread
+                    self._error = exc
+
+    def write(self, data) -> None:
+        if self._error is not None:
+            raise self._error
+        self._q.put(data)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join()
+        self._f.close()
+        if self._error is not None:
+            raise self._error
+
+
 class ShardWriter:
     """Writes one planned shard: ``write_tensor(name, chunks)`` for each tensor in plan order."""
 
@@ -65,7 +99,7 @@ class ShardWriter:
         self.shard = shard
         self.path = folder / shard.filename
         header, _ = encode_header(shard.tensors, metadata if metadata is not None else {"format": "pt"})
-        self._f = open(self.path, "wb")
+        self._f = _BackgroundFile(self.path)
         self._f.write(header)
         self._next = 0
 
@@ -84,7 +118,10 @@ class ShardWriter:
         return written
 
     def abort(self) -> None:
-        self._f.close()
+        try:
+            self._f.close()
+        except BaseException:
+            pass
 
     def close(self) -> None:
         self._f.close()

@@ -47,41 +47,29 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bits (uint16), round to nearest even; NaNs stay quiet NaNs (as torch)."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = ((u + (np.uint32(0x7FFF) + ((u >> 16) & 1))) >> 16).astype(np.uint16)
-    nan = np.isnan(x)
-    if nan.any():
-        rounded[nan] = ((u[nan] >> 16) | 0x0040).astype(np.uint16)
-    return rounded
-
-
 def to_float32(values: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "BF16":
         return bf16_to_f32(values)
     return values.astype(np.float32, copy=False)
 
 
-def encode_float(x32: np.ndarray, code: str) -> np.ndarray:
-    """float32 values -> the stored representation of ``code`` (F16, BF16 bits, or F32)."""
-    if code == "F32":
-        return np.ascontiguousarray(x32, dtype=np.float32)
-    if code == "F16":
-        return x32.astype(np.float16)
-    if code == "BF16":
-        return f32_to_bf16(x32)
-    raise ValueError(code)
+_TORCH = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 
 
 def convert_float(values: np.ndarray, src: str, dst: str) -> np.ndarray:
-    """Cast stored float values between safetensors float dtypes, as torch's .to() does."""
+    """Cast stored float values between safetensors float dtypes, exactly as torch's .to() does
+    (round to nearest even, NaN and inf kept): torch does the cast, on the CPU's conversion
+    instructions, which numpy's float16 cast does not use (10x slower)."""
     if src == dst:
         return values
-    if src == "F32" or (src == "F16" and dst == "F32") or src == "BF16":
-        return encode_float(to_float32(values, src), dst)
-    if src == "F16" and dst == "BF16":                 # f16 -> f32 is exact, then one rounding
-        return f32_to_bf16(values.astype(np.float32))
-    if src == "F64":
-        return encode_float(values.astype(np.float32), dst)
-    raise ValueError(f"{src} -> {dst}")
+    import torch
+
+    raw = np.ascontiguousarray(values)
+    t = torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16) if src == "BF16" else torch.from_numpy(raw)
+    out = t.to(getattr(torch, _TORCH[dst]))
+    return out.view(torch.int16).numpy().view(np.uint16) if dst == "BF16" else out.numpy()
+
+
+def encode_float(x32: np.ndarray, code: str) -> np.ndarray:
+    """float32 values -> the stored representation of ``code`` (F16, BF16 bits, or F32)."""
+    return convert_float(np.ascontiguousarray(x32, dtype=np.float32), "F32", code)

@@ -1,0 +1,82 @@
+"""bitsandbytes tensor data <-> QuantTensor (the layout, from headers, is bnb.py)."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from ..errors import CorruptCheckpoint, UnsupportedFormat
+from .ir import DoubleQuant, QuantSpec, QuantTensor
+from .layout import QuantModule
+from .packing import unpack_nibbles_high_first
+from .safetensors_header import TensorInfo
+from .tensor_io import read_array
+
+# bitsandbytes' 4-bit code books, index -> value (get_4bit_type; FORMATS.md §2.3). Dequantization uses
+# these, as bitsandbytes' own kernels do, not the quant_map copy stored beside each weight.
+NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+                -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+                0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+                0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], dtype=np.float32)
+FP4 = np.array([0, 0.0625, 8, 12, 4, 6, 2, 3, -0.0, -0.0625, -8, -12, -4, -6, -2, -3],
+               dtype=np.float32) / np.float32(12)
+CODEBOOKS = {"nf4": NF4, "fp4": FP4}
+
+
+def _module_error(m: QuantModule, tensors: Mapping[str, TensorInfo]):
+    first = tensors.get(m.weight_tensors[0]) if m.weight_tensors else None
+    return CorruptCheckpoint(m.problems[0] + "; cannot decode it",
+                             file=first.file if first else None, tensor=m.name)
+
+
+def read_int8(m: QuantModule, tensors: Mapping[str, TensorInfo], dtype: str) -> QuantTensor:
+    """LLM.int8: codes CB + 128 against zero point 128, scale SCB with divisor 127 (bnb's order)."""
+    fmt = m.details.get("weight_format")
+    weight_info = tensors.get(m.name + ".weight")
+    if fmt not in (None, "row"):
+        raise UnsupportedFormat(f"int8 weight_format is {fmt!r}: only row-major int8 weights can be "
+                                f"decoded (bitsandbytes >= 0.46 refuses the others too); reload and "
+                                f"re-save it with bitsandbytes <= 0.45 on CUDA to untile it",
+                                file=weight_info.file if weight_info else None, tensor=m.name)
+    if m.problems:
+        raise _module_error(m, tensors)
+    scb_info = tensors[m.name + ".SCB"]
+    cb = read_array(weight_info)
+    scb = read_array(scb_info).astype(np.float32, copy=False)
+    if not np.all(np.isfinite(scb)) or np.any(scb < 0):
+        raise CorruptCheckpoint("SCB holds negative or non-finite row scales", file=scb_info.file,
+                                tensor=scb_info.name)
+    out = cb.shape[0]
+    spec = QuantSpec("int", 8, -1, True, scale_divisor=127, scale_dtype=scb_info.dtype)
+    return QuantTensor(spec, (out, cb.shape[1]), dtype, codes=(cb.view(np.uint8) ^ 0x80),
+                       scales=scb.reshape(out, 1), zeros=np.full((out, 1), 128, dtype=np.uint8))
+
+
+def read_4bit(m: QuantModule, tensors: Mapping[str, TensorInfo]) -> QuantTensor:
+    if m.problems:
+        raise _module_error(m, tensors)
+    qs = m.details["quant_state"]
+    qtype = m.scheme
+    if qtype not in CODEBOOKS:
+        raise UnsupportedFormat(f"4-bit quant_type {qtype!r} is not nf4 or fp4",
+                                file=tensors[m.name + ".weight"].file, tensor=m.name)
+    n = m.out_features * m.in_features
+    weight = tensors[m.name + ".weight"]
+    codes = unpack_nibbles_high_first(read_array(weight), n)
+    prefix = m.name + ".weight."
+    double = None
+    if m.details["double_quant"]:
+        double = DoubleQuant(codes=read_array(tensors[prefix + "absmax"]).reshape(-1),
+                             nested_absmax=read_array(tensors[prefix + "nested_absmax"]).astype(np.float32),
+                             nested_map=read_array(tensors[prefix + "nested_quant_map"]).astype(np.float32),
+                             offset=np.float32(qs["nested_offset"]),
+                             blocksize=int(qs.get("nested_blocksize", 256)))
+        absmax = double.decode()
+    else:
+        absmax = read_array(tensors[prefix + "absmax"]).astype(np.float32).reshape(-1)
+    spec = QuantSpec(qtype, 4, m.group_size, True, codebook=tuple(float(v) for v in CODEBOOKS[qtype]),
+                     scale_dtype="F32", storage=weight.dtype)
+    dtype = qs.get("dtype", "float16")
+    return QuantTensor(spec, (m.out_features, m.in_features), dtype, codes=codes, scales=absmax,
+                       double_quant=double)
