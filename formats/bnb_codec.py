@@ -19,7 +19,9 @@ NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981
                 -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
                 0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
                 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], dtype=np.float32)
-FP4 = np.array([0, 0.0625, 8, 12, 4, 6, 2, 3, -0.0, -0.0625, -8, -12, -4, -6, -2, -3],
+# FP4 is in bit-pattern order (bit 3 is the sign). Index 8 is +0.0: bitsandbytes writes it as `-0` in a
+# Python list, which is the integer 0, so its table, its kernels and the stored quant_map all hold +0.0.
+FP4 = np.array([0, 0.0625, 8, 12, 4, 6, 2, 3, 0, -0.0625, -8, -12, -4, -6, -2, -3],
                dtype=np.float32) / np.float32(12)
 CODEBOOKS = {"nf4": NF4, "fp4": FP4}
 
