@@ -119,7 +119,7 @@ def main() -> None:
         ref = tmp / "ref"
         os.rename(out, ref)
         rows = []
-        qc = _best([qconv, "dequantize", src, out, "--overwrite"], args.runs)
+        qc = _best([qconv, "dequantize", src, out], args.runs, clear(out))
         fl = _best([sys.executable, "-c", FLOOR, src, ref, floor_out], args.runs, clear(floor_out))
         rows.append(("qconv dequantize", *qc))
         rows.append(("(a) I/O floor: safetensors read + write", *fl))

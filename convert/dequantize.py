@@ -9,9 +9,12 @@ slab, whatever the model size.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,12 +65,31 @@ def _rows_per_slab(info: TensorInfo) -> int:
     return max(1, SLAB_BYTES // max(1, info.nbytes // max(1, info.shape[0])))
 
 
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _ordered(fn, items, depth: int = 4):
+    """fn over items on a small thread pool (numpy and torch release the GIL), results in order, at
+    most ``depth`` slabs in flight so memory stays bounded."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="qconv")
+    pending: deque = deque()
+    for item in items:
+        pending.append(_POOL.submit(fn, item))
+        if len(pending) >= depth:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
 def _chunks(t: OutTensor, comp, det, src_dtype_name):
     if t.module is not None:
         qt = read_module(comp, det, t.module, src_dtype_name)
         rows = qt.slab_rows()
-        for r0 in range(0, t.shape[0], rows):
-            yield encode_float(qt.dequantize_rows(r0, min(r0 + rows, t.shape[0])), t.dtype)
+        n = t.shape[0]
+        yield from _ordered(lambda r0: encode_float(qt.dequantize_rows(r0, min(r0 + rows, n)), t.dtype),
+                            range(0, n, rows))
         return
     info = t.source
     if len(info.shape) < 2 or info.shape[0] == 0:

@@ -7,7 +7,7 @@ from typing import Mapping
 import numpy as np
 
 from ..errors import CorruptCheckpoint, UnsupportedFormat
-from .gptq import parse_config, per_module_settings
+from .gptq import AUTO_ROUND_READABLE, GPTQ_FORMATS, parse_config, per_module_settings
 from .ir import QuantSpec, QuantTensor
 from .layout import QuantModule
 from .packing import pack_int32, unpack_int32
@@ -43,9 +43,26 @@ def _decode_zeros(words: np.ndarray, bits: int, encoding: str, word_carry: bool)
     return ((unpack_int32(words, bits, axis=1).astype(np.int16) + 1) & mask).astype(np.uint8)
 
 
+def check_readable(qc: Mapping | None, where: TensorInfo) -> None:
+    """Refuse layouts that share GPTQ's tensor names but not its packing (AWQ, Marlin repacks, ...)."""
+    if not qc:
+        return
+    settings = parse_config(qc)
+    fmt = settings.get("packing_format") or settings.get("checkpoint_format")
+    if fmt not in AUTO_ROUND_READABLE + GPTQ_FORMATS:
+        raise UnsupportedFormat(f"{'packing_format' if 'packing_format' in settings else 'checkpoint_format'} "
+                                f"{fmt!r} is not a layout qconv decodes (it reads "
+                                f"{', '.join(GPTQ_FORMATS + AUTO_ROUND_READABLE)})",
+                                file=where.file, tensor=where.name)
+    if settings.get("data_type", "int") != "int":
+        raise UnsupportedFormat(f"data_type {settings['data_type']!r}: qconv decodes integer codes only",
+                                file=where.file, tensor=where.name)
+
+
 def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None,
          dtype: str) -> QuantTensor:
     qweight = tensors[m.name + ".qweight"]
+    check_readable(qc, qweight)
     if m.problems:
         raise CorruptCheckpoint(m.problems[0] + "; cannot decode it", file=qweight.file, tensor=m.name)
     if qweight.dtype not in ("I32", "U32"):

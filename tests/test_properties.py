@@ -168,12 +168,12 @@ def test_real_sym_checkpoints_store_the_v1_constants(name, bits):
     assert word[0].tolist() == (pattern * 64)[:word.shape[1]]
 
 
-def _write_gptq(folder, qt, encoding, desc_act):
+def _write_gptq(folder, qt, encoding, desc_act, qc=None):
     folder.mkdir()
     arrays = gptq_codec.encode(qt, zero_encoding=encoding)
     save_file({f"layer.{k}": torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()},
               folder / "model.safetensors")
-    (folder / "config.json").write_text(json.dumps({"quantization_config": {
+    (folder / "config.json").write_text(json.dumps({"quantization_config": qc or {
         "quant_method": "gptq", "bits": qt.spec.bits, "group_size": qt.spec.group_size,
         "sym": qt.spec.symmetric, "desc_act": desc_act,
         "checkpoint_format": "gptq" if encoding == "v1" else "gptq_v2"}}))
@@ -239,3 +239,45 @@ def test_gptqmodel_v1_zero_points_decode_as_gptqmodel_reads_them(tmp_path, bits)
     (folder / "config.json").write_text(json.dumps({"quantization_config": qc}))
     fieldwise = _read_only_module(folder).zeros
     assert not np.array_equal(fieldwise, zeros)
+
+
+def _asym_module(bits=4, out=64, inp=128, gs=64, seed=0):
+    rng = np.random.default_rng(seed)
+    zeros = rng.integers(0, 1 << bits, size=(out, inp // gs)).astype(np.uint8)
+    zeros[0, 0] = 0
+    return QuantTensor(QuantSpec("int", bits, gs, False, scale_dtype="F16"), (out, inp), "float16",
+                       codes=rng.integers(0, 1 << bits, size=(out, inp), dtype=np.uint8),
+                       scales=np.full((out, inp // gs), 0.01, np.float16).astype(np.float32), zeros=zeros)
+
+
+# auto-round's packing formats and their zero-point conventions (FORMATS.md §4.1-4.2).
+@pytest.mark.parametrize("qc, encoding", [
+    ({"quant_method": "auto-round", "packing_format": "auto_round:auto_gptq"}, "v1"),
+    ({"quant_method": "auto-round", "packing_format": "auto_round:gptq"}, "v1"),        # alias
+    ({"quant_method": "auto-round", "packing_format": "auto"}, "v1"),                   # alias
+    ({"quant_method": "auto-round", "packing_format": "auto_round:gptqmodel"}, "v2"),
+    ({"quant_method": "auto-round", "packing_format": "auto_round"}, "v2"),
+    ({"quant_method": "intel/auto-round", "backend": "auto_round:gptq:exllamav2"}, "v1"),
+    ({"quant_method": "intel/auto-round", "backend": "auto_round:exllamav2"}, "v2"),
+])
+def test_auto_round_packing_formats(tmp_path, qc, encoding):
+    qt = _asym_module()
+    qc = {**qc, "bits": 4, "group_size": 64, "sym": False}
+    _write_gptq(tmp_path / "m", qt, encoding, False, qc)
+    back = _read_only_module(tmp_path / "m")
+    assert back.spec.zero_encoding == encoding
+    assert np.array_equal(back.zeros, qt.zeros) and np.array_equal(back.dequantize(), qt.dequantize())
+
+
+@pytest.mark.parametrize("qc, needle", [
+    ({"quant_method": "auto-round", "packing_format": "auto_round:auto_awq"}, "'auto_round:auto_awq' is not a layout"),
+    ({"quant_method": "gptq", "checkpoint_format": "marlin"}, "'marlin' is not a layout"),
+    ({"quant_method": "auto-round", "packing_format": "auto_round:auto_gptq", "data_type": "nv_fp"},
+     "data_type 'nv_fp'"),
+])
+def test_lookalike_layouts_are_refused_not_misread(tmp_path, qc, needle):
+    from conftest import run_qconv
+
+    _write_gptq(tmp_path / "m", _asym_module(), "v1", False, {**qc, "bits": 4, "group_size": 64})
+    proc = run_qconv("dequantize", tmp_path / "m", tmp_path / "out")
+    assert proc.returncode == 5 and needle in proc.stderr and not (tmp_path / "out").exists()
