@@ -175,6 +175,17 @@ def _safe_match(pattern: str, name: str) -> bool:
         return False
 
 
+def _pattern_problem(field: str, key: str, pattern: str, names, anchored: bool) -> str | None:
+    try:
+        rx = re.compile(pattern)
+    except re.error as exc:
+        return f"{field} key {key!r} is not a valid regex ({exc})"
+    find = rx.match if anchored else rx.search
+    if not any(find(n) for n in names):
+        return f"{field} pattern {key!r} matches no module of this checkpoint"
+    return None
+
+
 def unmatched_extra_config(qc: Mapping, module_names) -> list[str]:
     """extra_config / dynamic keys that name no module of the checkpoint."""
     names = list(module_names)
@@ -185,21 +196,9 @@ def unmatched_extra_config(qc: Mapping, module_names) -> list[str]:
             if key not in names:
                 bad.append(f"extra_config names {key!r}, which is not a module of this checkpoint")
         else:
-            try:
-                rx = re.compile(key)
-            except re.error as exc:
-                bad.append(f"extra_config key {key!r} is not a valid regex ({exc})")
-                continue
-            if not any(rx.search(n) for n in names):
-                bad.append(f"extra_config pattern {key!r} matches no module of this checkpoint")
+            bad.append(_pattern_problem("extra_config", key, key, names, anchored=False))
     dynamic = qc.get("dynamic") or {}
     for key in (dynamic if isinstance(dynamic, dict) else {}):
         pattern = key[2:] if key[:2] in ("+:", "-:") else key
-        try:
-            rx = re.compile(pattern)
-        except re.error as exc:
-            bad.append(f"dynamic key {key!r} is not a valid regex ({exc})")
-            continue
-        if not any(rx.match(n) for n in names):
-            bad.append(f"dynamic pattern {key!r} matches no module of this checkpoint")
-    return bad
+        bad.append(_pattern_problem("dynamic", key, pattern, names, anchored=True))
+    return [b for b in bad if b]

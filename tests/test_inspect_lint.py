@@ -156,3 +156,13 @@ def test_config_with_unsupported_method_is_named(tmp_checkpoint):
     (report,) = inspect_json(ckpt)["components"]
     assert report["method"] == "awq"
     _one(report["warnings"], "'awq' is not a format qconv decodes")
+
+
+def test_gptqmodel_dynamic_overrides(tmp_checkpoint):
+    ckpt = tmp_checkpoint("llama-gptq-w4g64-asym")
+    _edit_config(ckpt, lambda c: c["quantization_config"].update(dynamic={
+        r"+:.*down_proj": {"bits": 8}, r"-:model\.layers\.9\..*": {}, r"-:model\.layers\.1\.self_attn\.q_proj": {}}))
+    w = _warnings(ckpt)
+    assert "2 modules" in _one(w, "asks for 8-bit but the shapes hold 4-bit codes", "down_proj")
+    _one(w, repr(r"-:model\.layers\.9\..*"), "matches no module")
+    _one(w, "1 modules", "says not to quantize", "model.layers.1.self_attn.q_proj")
