@@ -100,9 +100,10 @@ def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None,
                        zeros=np.ascontiguousarray(zeros.T), g_idx=g_idx)
 
 
-def encode(qt: QuantTensor, *, zero_encoding: str = "v1") -> dict[str, np.ndarray]:
-    """QuantTensor -> the arrays of a GPTQ module: qweight, qzeros, scales, g_idx (nn.Linear-free
-    orientation of §3.1). v1 stores z - 1 one field at a time (never whole-word arithmetic)."""
+def encode(qt: QuantTensor, *, zero_encoding: str = "v1") -> dict[str, tuple[str, np.ndarray]]:
+    """QuantTensor -> the tensors of a GPTQ module, leaf name -> (safetensors dtype, stored values):
+    qweight, qzeros, scales, g_idx in GPTQ's orientation (§3.1). v1 stores z - 1 one field at a time
+    (never whole-word arithmetic)."""
     spec = qt.spec
     if spec.scheme != "int" or spec.scale_divisor != 1:
         raise ValueError("GPTQ encodes integer codes with plain scales")
@@ -111,7 +112,7 @@ def encode(qt: QuantTensor, *, zero_encoding: str = "v1") -> dict[str, np.ndarra
     zeros = qt.zeros.astype(np.int16)
     if zero_encoding == "v1":
         zeros = (zeros - 1) & mask
-    return {"qweight": pack_int32(qt.codes.T, bits, axis=0),
-            "qzeros": pack_int32(np.ascontiguousarray(zeros.T.astype(np.uint8)), bits, axis=1),
-            "scales": encode_float(np.ascontiguousarray(qt.scales.T), spec.scale_dtype),
-            "g_idx": qt.groups.astype(np.int32)}
+    return {"qweight": ("I32", pack_int32(qt.codes.T, bits, axis=0)),
+            "qzeros": ("I32", pack_int32(np.ascontiguousarray(zeros.T.astype(np.uint8)), bits, axis=1)),
+            "scales": (spec.scale_dtype, encode_float(np.ascontiguousarray(qt.scales.T), spec.scale_dtype)),
+            "g_idx": ("I32", qt.groups.astype(np.int32))}

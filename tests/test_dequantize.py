@@ -238,3 +238,17 @@ def test_sigterm_leaves_nothing(tmp_path):
     assert proc.returncode == 130, err
     assert err.strip() == "qconv: interrupted"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_non_row_int8_layout_is_refused(tmp_path):
+    from qconv.formats.safetensors_header import read_header
+
+    src = copy_checkpoint("llama-bnb8", tmp_path)
+    info = read_header(src / "model.safetensors").tensors["model.layers.0.mlp.up_proj.weight_format"]
+    with open(src / "model.safetensors", "r+b") as f:
+        f.seek(info.offset)
+        f.write(bytes([3]))                                   # col_ampere (bitsandbytes 0.43-0.44)
+    proc = run_qconv("dequantize", src, tmp_path / "out")
+    assert proc.returncode == 5, proc.stderr
+    assert "model.layers.0.mlp.up_proj" in proc.stderr and "'col_ampere'" in proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -153,7 +153,7 @@ def test_symmetric_zero_words_match_the_documented_constants(encoding, bits):
     qt = QuantTensor(QuantSpec("int", bits, 32, True, scale_dtype="F16"), (out, 32), "float16",
                      codes=np.zeros((out, 32), np.uint8), scales=np.ones((out, 1), np.float32),
                      zeros=np.full((out, 1), 1 << (bits - 1), np.uint8))
-    words = gptq_codec.encode(qt, zero_encoding=encoding)["qzeros"].view(np.uint32)
+    words = gptq_codec.encode(qt, zero_encoding=encoding)["qzeros"][1].view(np.uint32)
     assert words.reshape(-1).tolist() == SYM_ZEROS[(encoding, bits)] * (words.size // len(SYM_ZEROS[(encoding, bits)]))
 
 
@@ -168,11 +168,15 @@ def test_real_sym_checkpoints_store_the_v1_constants(name, bits):
     assert word[0].tolist() == (pattern * 64)[:word.shape[1]]
 
 
+def _torch(code, values):
+    t = torch.from_numpy(np.ascontiguousarray(values))
+    return t.view(torch.bfloat16) if code == "BF16" else t
+
+
 def _write_gptq(folder, qt, encoding, desc_act, qc=None):
     folder.mkdir()
     arrays = gptq_codec.encode(qt, zero_encoding=encoding)
-    save_file({f"layer.{k}": torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()},
-              folder / "model.safetensors")
+    save_file({f"layer.{k}": _torch(*v) for k, v in arrays.items()}, folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps({"quantization_config": qc or {
         "quant_method": "gptq", "bits": qt.spec.bits, "group_size": qt.spec.group_size,
         "sym": qt.spec.symmetric, "desc_act": desc_act,
@@ -182,9 +186,10 @@ def _write_gptq(folder, qt, encoding, desc_act, qc=None):
 @PROPS
 @given(bits=st.sampled_from([2, 3, 4, 8]), in_runs=st.integers(1, 6), out_runs=st.integers(1, 3),
        group_size=st.sampled_from([-1, 32, 64, 128]), sym=st.booleans(), act_order=st.booleans(),
-       encoding=st.sampled_from(["v1", "v2"]), seed=st.integers(0, 2**16))
+       encoding=st.sampled_from(["v1", "v2"]), scale_dtype=st.sampled_from(["F16", "BF16", "F32"]),
+       seed=st.integers(0, 2**16))
 def test_gptq_write_read_round_trip(tmp_path, bits, in_runs, out_runs, group_size, sym, act_order,
-                                    encoding, seed):
+                                    encoding, scale_dtype, seed):
     """Ragged shapes: in is a multiple of 32 but often not of the group size (a short last group)."""
     rng = np.random.default_rng(seed)
     inp, out = 32 * in_runs, 32 * out_runs
@@ -194,8 +199,10 @@ def test_gptq_write_read_round_trip(tmp_path, bits, in_runs, out_runs, group_siz
         g_idx = (rng.permutation(inp) // group_size).astype(np.int64)
     zeros = (np.full((out, groups), 1 << (bits - 1)) if sym else
              rng.integers(0, 1 << bits, size=(out, groups))).astype(np.uint8)
-    scales = rng.uniform(1e-3, 1e-1, size=(out, groups)).astype(np.float16).astype(np.float32)
-    qt = QuantTensor(QuantSpec("int", bits, group_size, sym, scale_dtype="F16"), (out, inp), "float16",
+    scales = rng.uniform(1e-3, 1e-1, size=(out, groups)).astype(np.float32)
+    if scale_dtype != "F32":            # values the stored dtype holds exactly
+        scales = torch.from_numpy(scales).to(getattr(torch, {"F16": "float16", "BF16": "bfloat16"}[scale_dtype])).float().numpy()
+    qt = QuantTensor(QuantSpec("int", bits, group_size, sym, scale_dtype=scale_dtype), (out, inp), "float16",
                      codes=rng.integers(0, 1 << bits, size=(out, inp), dtype=np.uint8),
                      scales=scales, zeros=zeros, g_idx=g_idx)
     folder = Path(tempfile.mkdtemp(dir=tmp_path)) / "g"     # tmp_path is shared by all examples
@@ -203,6 +210,7 @@ def test_gptq_write_read_round_trip(tmp_path, bits, in_runs, out_runs, group_siz
     back = _read_only_module(folder)
     assert back.spec.bits == bits and back.spec.group_size == group_size
     assert back.spec.zero_encoding == encoding and back.spec.symmetric == sym
+    assert back.spec.scale_dtype == scale_dtype
     assert np.array_equal(back.codes, qt.codes)
     assert np.array_equal(back.zeros, qt.zeros)         # z = 0 survives per-field v1 too
     assert np.array_equal(back.scales, qt.scales)
@@ -225,12 +233,11 @@ def test_gptqmodel_v1_zero_points_decode_as_gptqmodel_reads_them(tmp_path, bits)
                      scales=np.full((out, 1), 0.01, np.float16).astype(np.float32), zeros=zeros)
     arrays = gptq_codec.encode(qt, zero_encoding="v2")
     one_per_field = sum(1 << (bits * j) for j in range(32 // bits))
-    arrays["qzeros"] = ((arrays["qzeros"].view(np.uint32).astype(np.int64) - one_per_field)
-                        % 2**32).astype(np.uint32).view(np.int32)       # GPTQModel's v2 -> v1
+    arrays["qzeros"] = ("I32", ((arrays["qzeros"][1].view(np.uint32).astype(np.int64) - one_per_field)
+                                % 2**32).astype(np.uint32).view(np.int32))    # GPTQModel's v2 -> v1
     folder = tmp_path / "m"
     folder.mkdir()
-    save_file({f"layer.{k}": torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()},
-              folder / "model.safetensors")
+    save_file({f"layer.{k}": _torch(*v) for k, v in arrays.items()}, folder / "model.safetensors")
     qc = {"quant_method": "gptq", "bits": bits, "group_size": -1, "sym": False, "desc_act": False,
           "checkpoint_format": "gptq", "meta": {"quantizer": ["gptqmodel:7.7.0"]}}
     (folder / "config.json").write_text(json.dumps({"quantization_config": qc}))
