@@ -98,6 +98,89 @@ def dequantize_cmd(src: Path, dst: Path, dtype: str, overwrite: bool, max_shard_
     return EXIT_OK
 
 
+def _convert_table(result: dict) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for c in result["components"]:
+        if "to" not in c:                                   # a float target: dequantized
+            rows.append((c["component"], c["method"], c["dtype"], c["dequantized_modules"], "-", "-",
+                         len(c["shards"]), f"{c['bytes_written'] / 1e9:.3f}"))
+            continue
+        rounding = (f"{c['scales_rounded']}/{c['scales']} (max rel {c['max_scale_rel_error']:.2e})"
+                    if c["scales"] else "-")
+        rows.append((c["component"], c["from"], c["to"], c["modules"], "0 (codes kept)", rounding,
+                     len(c["shards"]), f"{c['bytes_written'] / 1e9:.3f}"))
+    text = tabulate(rows, headers=["component", "from", "to", "modules", "codes changed",
+                                   "scales rounded", "shards", "GB written"])
+    return f"{text}\nwrote {result['destination']} in {result['seconds']:.1f} s"
+
+
+def _run_convert(src: Path, dst: Path, opts, overwrite: bool, max_shard_size: str, as_json: bool) -> int:
+    from .convert.convert import convert
+
+    result = convert(src, dst, opts, overwrite=overwrite, max_shard_size=_parse_size(max_shard_size))
+    for comp in result["components"]:
+        for w in comp["warnings"]:
+            click.echo(f"qconv: warning: {comp['component']}: {w}", err=True)
+    click.echo(json.dumps(result, indent=2) if as_json else _convert_table(result))
+    return EXIT_OK
+
+
+_SCALE_DTYPE = click.option("--scale-dtype", type=click.Choice(["float16", "bfloat16", "float32"]),
+                            default=None, help="Stored dtype of GPTQ scales (default: the source's; "
+                                               "float16 from bitsandbytes int8).")
+_COMMON = [click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty."),
+           click.option("--max-shard-size", default="5GB", show_default=True,
+                        help="Largest output shard, e.g. 5GB, 500MB."),
+           click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")]
+
+
+def _common(fn):
+    for option in reversed(_COMMON):
+        fn = option(fn)
+    return fn
+
+
+@cli.command("convert", epilog=EXIT_CODES_HELP)
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--to", "to", required=True,
+              type=click.Choice(["gptq", "gptq-v2", "auto-round", "bnb8", "float16", "bfloat16", "float32"]),
+              help="Target format.")
+@click.option("--bits", type=click.IntRange(2, 8), default=None, help="Target bits (default: the source's).")
+@click.option("--group-size", type=int, default=None, help="Target group size, -1 per output row "
+                                                            "(default: the source's).")
+@click.option("--sym/--asym", default=None, help="Symmetric zero points (default: the source's).")
+@_SCALE_DTYPE
+@_common
+def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, overwrite, max_shard_size, as_json) -> int:
+    """Rewrite SRC in another format at DST, keeping every integer code where the arithmetic allows:
+    bnb8 <-> GPTQ 8-bit per-row symmetric, GPTQ v1 <-> v2 <-> auto-round. Float targets dequantize.
+    Paths that would need requantization exit 5 (not implemented yet).
+    """
+    from .convert.convert import Options
+
+    return _run_convert(src, dst, Options(to, bits, group_size, sym, scale_dtype), overwrite,
+                        max_shard_size, as_json)
+
+
+@cli.command("bnb8-to-gptq", epilog=EXIT_CODES_HELP)
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@_SCALE_DTYPE
+@_common
+def bnb8_to_gptq_cmd(src, dst, scale_dtype, overwrite, max_shard_size, as_json) -> int:
+    """Turn a bitsandbytes LLM.int8 checkpoint into GPTQ 8-bit, one scale per output row, symmetric:
+    the layout vLLM's Marlin kernels run. Codes are kept exactly (q = CB + 128); scales are SCB / 127,
+    stored as float16 unless --scale-dtype says otherwise (the only rounding, reported).
+    """
+    from .convert.convert import Options
+
+    return _run_convert(src, dst, Options("gptq", 8, -1, True, scale_dtype), overwrite, max_shard_size,
+                        as_json)
+
+
 def _parse_size(text: str) -> int:
     units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "B": 1}
     t = text.strip().upper()

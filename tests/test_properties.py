@@ -288,3 +288,17 @@ def test_lookalike_layouts_are_refused_not_misread(tmp_path, qc, needle):
     _write_gptq(tmp_path / "m", _asym_module(), "v1", False, {**qc, "bits": 4, "group_size": 64})
     proc = run_qconv("dequantize", tmp_path / "m", tmp_path / "out")
     assert proc.returncode == 5 and needle in proc.stderr and not (tmp_path / "out").exists()
+
+
+@PROPS
+@given(seed=st.integers(0, 2**16))
+def test_scb_survives_float32_gptq_scales(seed):
+    """bitsandbytes' SCB is the row absmax of the float16-cast weight (a float16 value); GPTQ stores
+    s = float32(SCB / 127); qconv's inverse gives back every such SCB exactly."""
+    import bitsandbytes.functional as F
+    from qconv.convert.convert import _scb_from_scales
+
+    w = _weights(257, 64, "float16", seed) * float(np.random.default_rng(seed).choice([1e-3, 1, 300]))
+    _, scb, _ = F.int8_vectorwise_quant(w.to(torch.float16))
+    s = (scb / 127).numpy().astype(np.float32)
+    assert np.array_equal(_scb_from_scales(s), scb.numpy())

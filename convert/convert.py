@@ -1,0 +1,303 @@
+"""`qconv convert` and `qconv bnb8-to-gptq`: rewrite a checkpoint in another format through the
+canonical representation (``read_B`` then ``write_A``), keeping codes exactly wherever the arithmetic
+allows.
+
+Lossless paths implemented here (each module's integer codes are carried over unchanged):
+
+* bitsandbytes int8 -> GPTQ / auto-round 8-bit, one group per output row, symmetric:
+  q = CB + 128, z = 128, s = SCB / 127 stored in --scale-dtype (the only rounding; reported per run);
+* GPTQ 8-bit, one group per row, symmetric -> bitsandbytes int8: CB = q - 128, SCB = s * 127 (exact
+  for fp16 or bf16 scales, so GPTQ -> bnb8 -> GPTQ is byte-identical);
+* GPTQ v1 <-> v2 <-> auto-round (auto_round:auto_gptq): the same codes, scales and zero points repacked,
+  zero points re-encoded one field at a time.
+
+Paths that need requantization (4-bit code books to integers, other bit widths or group sizes,
+asymmetric to symmetric) are refused with exit 5 for now rather than done badly.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import UnsupportedFormat
+from ..formats import gptq_codec
+from ..formats.checkpoint import Component
+from ..formats.detect import Detection, detect
+from ..formats.ir import QuantSpec, QuantTensor
+from ..formats.layout import QuantModule, natural_key
+from ..formats.reader import model_dtype, read_module
+from ..formats.safetensors_header import FLOAT_DTYPES
+from ..formats.tensor_io import encode_float, to_float32
+from .dequantize import dequantize_component
+from .engine import DEFAULT_MAX_SHARD, OutTensor, passthrough, run, write_component
+
+INT_TARGETS = ("gptq", "gptq-v2", "auto-round", "bnb8")
+FLOAT_TARGETS = ("float16", "bfloat16", "float32")
+TARGETS = INT_TARGETS + FLOAT_TARGETS
+SCALE_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+
+
+@dataclass(frozen=True)
+class Options:
+    to: str
+    bits: int | None = None
+    group_size: int | None = None
+    sym: bool | None = None
+    scale_dtype: str | None = None      # None: the source's (bnb int8 sources: float16)
+
+
+@dataclass
+class Stats:
+    """What the conversion changed, for the summary: scale rounding is the only loss it allows."""
+    modules: int = 0
+    scales: int = 0
+    scales_rounded: int = 0
+    max_scale_rel_error: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def scale_rounding(self, exact: np.ndarray, stored: np.ndarray) -> None:
+        rel = np.abs(stored.astype(np.float64) - exact.astype(np.float64)) / np.maximum(
+            np.abs(exact.astype(np.float64)), np.finfo(np.float64).tiny)
+        self.scales += exact.size
+        self.scales_rounded += int((rel > 0).sum())
+        self.max_scale_rel_error = max(self.max_scale_rel_error, float(rel.max(initial=0.0)))
+
+
+def _refuse(m: QuantModule, comp: Component, why: str) -> UnsupportedFormat:
+    first = comp.tensors.get(m.weight_tensors[0]) if m.weight_tensors else None
+    return UnsupportedFormat(f"{why}; that needs requantization, which qconv does not do yet",
+                             file=first.file if first else None, tensor=m.name)
+
+
+def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component) -> QuantSpec:
+    """The spec a module gets in the target, or a refusal when codes could not be kept."""
+    if src.scheme != "int":
+        raise _refuse(m, comp, f"{src.name} codes cannot become {opts.to} integers losslessly")
+    bits = opts.bits or src.bits
+    group = opts.group_size if opts.group_size is not None else src.group_size
+    sym = src.symmetric if opts.sym is None else opts.sym
+    if bits != src.bits:
+        raise _refuse(m, comp, f"{src.bits}-bit codes cannot become {bits}-bit codes losslessly")
+    if group != src.group_size and not (group <= 0 and src.group_size <= 0):
+        raise _refuse(m, comp, f"group size {src.group_size} cannot become {group} losslessly")
+    if sym and not src.symmetric:
+        raise _refuse(m, comp, "asymmetric zero points cannot become symmetric losslessly")
+    if opts.to == "bnb8" and (bits != 8 or src.group_size > 0 or not src.symmetric):
+        raise _refuse(m, comp, f"bitsandbytes int8 holds 8-bit symmetric codes with one scale per "
+                               f"row; this module has {src.bits}-bit "
+                               f"{'sym' if src.symmetric else 'asym'} codes in groups of {src.group_size}")
+    if opts.to == "auto-round" and not sym:
+        raise _refuse(m, comp, "auto-round stores asymmetric integers as auto_round:auto_awq, a layout "
+                               "qconv does not write yet (its auto_gptq packing is loaded as symmetric)")
+    if opts.to == "bnb8":
+        return QuantSpec("int", 8, -1, True, scale_divisor=127, scale_dtype="F32")
+    scale_code = SCALE_CODES[opts.scale_dtype] if opts.scale_dtype else (
+        "F16" if src.scale_divisor != 1 else src.scale_dtype)
+    return QuantSpec("int", bits, -1 if group <= 0 else group, sym, scale_dtype=scale_code,
+                     zero_encoding="v2" if opts.to == "gptq-v2" else "v1")
+
+
+def _retarget(qt: QuantTensor, spec: QuantSpec, stats: Stats) -> QuantTensor:
+    """Same codes and zero points, scales re-expressed for the target."""
+    src = qt.spec
+    if spec.scale_divisor == 127:                               # -> bitsandbytes: SCB = s * 127
+        if src.scale_divisor == 127:
+            scales = qt.scales
+        else:
+            scales = _scb_from_scales(qt.scales)
+            stats.scale_rounding(qt.scales.astype(np.float64) * 127, scales)
+        if np.any(qt.zeros != 128):
+            raise AssertionError("symmetric 8-bit codes must have zero point 128")
+        return replace(qt, spec=spec, scales=scales)
+    exact = qt.scales.astype(np.float64) / src.scale_divisor
+    if src.scale_divisor == 1 and spec.scale_dtype == src.scale_dtype:
+        stored = qt.scales
+    else:                                       # s = SCB / 127 in float32, then the stored dtype
+        s32 = qt.scales / np.float32(src.scale_divisor) if src.scale_divisor != 1 else qt.scales
+        stored = to_float32(encode_float(s32.astype(np.float32), spec.scale_dtype), spec.scale_dtype)
+    stats.scale_rounding(exact, stored)
+    return replace(qt, spec=spec, scales=stored)
+
+
+def _scb_from_scales(s: np.ndarray) -> np.ndarray:
+    """SCB for GPTQ scales s, inverting s = float32(SCB / 127). bitsandbytes computes SCB on the
+    weight cast to float16, so an SCB is a float16 value: where one maps to s, it is the SCB that
+    produced s (so bnb8 -> GPTQ with float32 scales -> bnb8 gives back the same bytes). Otherwise
+    s * 127 rounded once (exact for float16 or bfloat16 scales, so GPTQ -> bnb8 -> GPTQ is identical)."""
+    product = s.astype(np.float64) * 127
+    scb = product.astype(np.float32)
+    with np.errstate(over="ignore"):
+        half = product.astype(np.float16).astype(np.float32)
+    hit = np.isfinite(half) & ((half / np.float32(127)).astype(np.float32) == s)
+    return np.where(hit, half, scb).astype(np.float32)
+
+
+class _ModuleCache:
+    """The encoded tensors of the module being written: its 3-4 output tensors are adjacent in the
+    plan, so one decoded module is alive at a time."""
+
+    def __init__(self):
+        self.key, self.value = None, None
+
+    def get(self, key, make):
+        if key != self.key:
+            self.key, self.value = None, None
+            self.value, self.key = make(), key
+        return self.value
+
+
+def _encode_bnb8(qt: QuantTensor) -> dict[str, tuple[str, np.ndarray]]:
+    return {"weight": ("I8", (qt.codes ^ 0x80).view(np.int8)),
+            "SCB": ("F32", np.ascontiguousarray(qt.scales.reshape(-1), dtype=np.float32)),
+            "weight_format": ("U8", np.zeros((), np.uint8))}
+
+
+def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, cache: _ModuleCache,
+                    stats: Stats, src_dtype: str, with_g_idx: bool) -> list[OutTensor]:
+    out, inp, bits = m.out_features, m.in_features, spec.bits
+
+    def encoded():
+        qt = _retarget(read_module(comp, det, m, src_dtype), spec, stats)
+        stats.modules += 1
+        if opts.to == "bnb8":
+            return _encode_bnb8(qt)
+        if qt.g_idx is not None and not with_g_idx:
+            raise _refuse(m, comp, f"act-order g_idx cannot be stored in {opts.to}")
+        tensors = gptq_codec.encode(qt, zero_encoding=spec.zero_encoding)
+        if not with_g_idx:
+            tensors.pop("g_idx")
+        return tensors
+
+    def tensor(leaf, dtype, shape):
+        return OutTensor(f"{m.name}.{leaf}", dtype, shape,
+                         lambda: [cache.get(m.name, encoded)[leaf][1]])
+
+    if opts.to == "bnb8":
+        return [tensor("weight", "I8", (out, inp)), tensor("SCB", "F32", (out,)),
+                tensor("weight_format", "U8", ())]
+    groups = 1 if spec.group_size <= 0 else -(-inp // spec.group_size)
+    tensors = [tensor("qweight", "I32", (inp * bits // 32, out)),
+               tensor("qzeros", "I32", (groups, out * bits // 32)),
+               tensor("scales", spec.scale_dtype, (groups, out))]
+    if with_g_idx:
+        tensors.append(tensor("g_idx", "I32", (inp,)))
+    return tensors
+
+
+def _block_prefix(name: str) -> str | None:
+    """model.layers.3.mlp.up_proj -> model.layers (the stack a module sits in), None outside stacks."""
+    match = re.match(r"^(.*?)\.\d+\.", name)
+    return match.group(1) if match else None
+
+
+def _linear_modules(comp: Component) -> list[str]:
+    return [n[: -len(".weight")] for n, i in comp.tensors.items()
+            if n.endswith(".weight") and len(i.shape) == 2 and i.dtype in FLOAT_DTYPES]
+
+
+def _skip_prefixes(unquantized: list[str], quantized: list[str]) -> list[str]:
+    """The shortest dotted prefixes covering the unquantized Linears and no quantized one: what
+    transformers 5 (anchored match up to a dot) and 4 (substring `key.`) both skip as intended."""
+    out = set()
+    for name in unquantized:
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if not any(q == prefix or q.startswith(prefix + ".") for q in quantized):
+                out.add(prefix)
+                break
+    return sorted(out, key=natural_key)
+
+
+def _quant_config(comp: Component, opts: Options, specs: dict[str, QuantSpec], desc_act: bool) -> dict:
+    quantized = sorted(specs, key=natural_key)
+    if opts.to == "bnb8":
+        skip = _skip_prefixes([n for n in _linear_modules(comp) if n not in specs], quantized)
+        return {"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False,
+                "_load_in_8bit": True, "_load_in_4bit": False, "llm_int8_threshold": 6.0,
+                "llm_int8_skip_modules": skip, "llm_int8_enable_fp32_cpu_offload": False,
+                "llm_int8_has_fp16_weight": False, "bnb_4bit_compute_dtype": "float32",
+                "bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": False,
+                "bnb_4bit_quant_storage": "uint8"}
+    common = Counter((s.bits, s.group_size, s.symmetric) for s in specs.values()).most_common(1)[0][0]
+    bits, group, sym = common
+    blocks = sorted({b for n in quantized if (b := _block_prefix(n))}, key=natural_key)
+    in_block = lambda n: any(n.startswith(b + ".") for b in blocks)  # noqa: E731
+    overrides = {n: {k: v for k, v in (("bits", s.bits), ("group_size", s.group_size), ("sym", s.symmetric))
+                     if (k, v) not in (("bits", bits), ("group_size", group), ("sym", sym)) or not in_block(n)}
+                 for n, s in specs.items()}
+    overrides = {n: o for n, o in overrides.items() if o}
+    skipped = [n for n in _linear_modules(comp) if n not in specs and in_block(n)]
+    config = {"bits": bits, "group_size": group, "sym": sym, "desc_act": desc_act}
+    if opts.to == "auto-round":
+        extra = {n: {**{"bits": bits, "group_size": group, "sym": sym, "data_type": "int"}, **o}
+                 if not in_block(n) else o for n, o in overrides.items()}
+        extra.update({n: {"bits": 16} for n in skipped})
+        config.update({"quant_method": "auto-round", "packing_format": "auto_round:auto_gptq",
+                       "data_type": "int", "block_name_to_quantize": ",".join(blocks)})
+        if extra:
+            config["extra_config"] = dict(sorted(extra.items(), key=lambda kv: natural_key(kv[0])))
+        return config
+    dynamic = {f"+:^{re.escape(n)}$": o for n, o in overrides.items()}
+    dynamic.update({f"-:^{re.escape(n)}$": {} for n in skipped})
+    config.update({"quant_method": "gptq", "checkpoint_format": "gptq_v2" if opts.to == "gptq-v2" else "gptq",
+                   "block_name_to_quantize": ",".join(blocks)})
+    if dynamic:
+        config["dynamic"] = dict(sorted(dynamic.items(), key=lambda kv: natural_key(kv[0])))
+    return config
+
+
+def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: int) -> dict:
+    det = detect(comp)
+    if opts.to in FLOAT_TARGETS:
+        return dequantize_component(comp, out_dir, opts.to, max_shard)
+    src_dtype = model_dtype(comp, det)
+    stats, cache = Stats(), _ModuleCache()
+    specs: dict[str, QuantSpec] = {}
+    outputs: dict[str, OutTensor] = {}
+    src_cfg = gptq_codec.parse_config(det.qc) if det.qc and det.cfg_method in ("gptq", "auto-round") else {}
+    desc_act = bool(src_cfg.get("desc_act")) and opts.to != "auto-round"
+    for m in det.modules:
+        src_spec = _source_spec(comp, det, m, src_dtype)
+        spec = _target_spec(m, src_spec, opts, comp)
+        specs[m.name] = spec
+        with_g_idx = desc_act and m.details.get("has_g_idx", False)
+        for t in _module_outputs(comp, det, m, spec, opts, cache, stats, src_dtype, with_g_idx):
+            outputs[t.name] = t
+    for name, info in comp.tensors.items():
+        if name not in det.claimed_tensors:
+            outputs[name] = passthrough(info)
+    plan = [outputs[k] for k in sorted(outputs, key=natural_key)]
+    config = dict(comp.config) if comp.config is not None else {}
+    config["quantization_config"] = _quant_config(comp, opts, specs, desc_act)
+    written = write_component(comp, out_dir, plan, config, max_shard, f"converting {comp.name}")
+    return {"component": comp.name, "from": det.method, "to": opts.to, "modules": stats.modules,
+            "scales": stats.scales, "scales_rounded": stats.scales_rounded,
+            "max_scale_rel_error": stats.max_scale_rel_error, **written,
+            "warnings": list(det.warnings) + stats.notes}
+
+
+def _source_spec(comp, det: Detection, m: QuantModule, src_dtype: str) -> QuantSpec:
+    """The source module's spec without decoding its data (from headers and config)."""
+    if m.family == "bnb8":
+        return QuantSpec("int", 8, -1, True, scale_divisor=127)
+    if m.family == "bnb4":
+        from ..formats.bnb_codec import CODEBOOKS
+        return QuantSpec(m.scheme, 4, m.group_size, True, codebook=tuple(map(float, CODEBOOKS[m.scheme])))
+    settings = gptq_codec.per_module_settings(det.qc, m.name) if det.qc else None
+    sym = bool((settings or {}).get("sym", True))
+    group = -1 if m.details.get("groups") == 1 else (m.group_size or -1)
+    return QuantSpec("int", m.bits, group, sym, scale_dtype=m.details.get("scales_dtype") or "F16")
+
+
+def convert(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
+            max_shard_size: int = DEFAULT_MAX_SHARD) -> dict:
+    if opts.to not in TARGETS:
+        raise ValueError(opts.to)
+    return run(src, dst, lambda comp, out: convert_component(comp, out, opts, max_shard_size),
+               overwrite=overwrite)

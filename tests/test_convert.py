@@ -1,0 +1,220 @@
+"""`qconv convert` / `qconv bnb8-to-gptq`: lossless paths keep every code, round trips are
+byte-identical, and what qconv writes loads in the real consumers (transformers with auto-round's CPU
+kernels for GPTQ and auto-round, transformers with bitsandbytes for bnb8)."""
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import CHECKPOINTS, copy_checkpoint, run_qconv
+
+
+def _convert(src, dst, *args):
+    proc = run_qconv(*args, src, dst, check=0) if args and args[0] == "bnb8-to-gptq" else \
+        run_qconv("convert", src, dst, *args, check=0)
+    return proc
+
+
+def _tensors(folder):
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _unpack8(qweight):
+    """Independent of qconv's packer: 8-bit GPTQ codes, four per int32 along dim 0, lowest byte first."""
+    words = qweight.to(torch.int64) & 0xFFFFFFFF
+    codes = torch.stack([(words >> (8 * j)) & 0xFF for j in range(4)], dim=1)
+    return codes.reshape(-1, qweight.shape[1])
+
+
+@pytest.mark.parametrize("name", ["llama-bnb8", "qwen3vl-bnb8-skipvisual"])
+def test_bnb8_to_gptq_keeps_codes_exactly(tmp_path, name):
+    out = tmp_path / "gptq"
+    proc = _convert(CHECKPOINTS / name, out, "bnb8-to-gptq", "--json")
+    (report,) = json.loads(proc.stdout)["components"]
+    src, dst = _tensors(CHECKPOINTS / name), _tensors(out)
+    modules = [k[: -len(".SCB")] for k in src if k.endswith(".SCB")]
+    assert report["modules"] == len(modules) > 0
+    for m in modules:
+        cb, scb = src[m + ".weight"], src[m + ".SCB"]
+        codes = _unpack8(dst[m + ".qweight"]).T                        # [out, in]
+        assert torch.equal(codes, cb.to(torch.int64) + 128), m
+        assert dst[m + ".scales"].dtype == torch.float16 and dst[m + ".scales"].shape == (1, cb.shape[0])
+        assert torch.equal(dst[m + ".scales"][0], (scb / 127).to(torch.float16)), m
+        assert torch.equal(dst[m + ".qzeros"], torch.full_like(dst[m + ".qzeros"], 0x7F7F7F7F))
+        assert m + ".g_idx" not in dst
+    for k, v in src.items():                                            # everything else untouched
+        if not k.endswith((".SCB", ".weight_format")) and k[: -len(".weight")] not in modules:
+            assert torch.equal(dst[k], v) and dst[k].dtype == v.dtype, k
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert {k: qc[k] for k in ("quant_method", "bits", "group_size", "sym", "desc_act", "checkpoint_format")} == \
+        {"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": True, "desc_act": False,
+         "checkpoint_format": "gptq"}
+    assert "meta" not in qc
+    assert report["scales"] == sum(src[m + ".SCB"].numel() for m in modules)
+    assert 0 < report["max_scale_rel_error"] <= 2**-11                 # fp16 rounding, reported
+
+
+def _logits(path, ids, vlm=False, **kwargs):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    cls = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+    model = cls.from_pretrained(path, device_map="cpu", **kwargs)
+    with torch.no_grad():
+        return model, model(input_ids=ids).logits.float()
+
+
+# What qconv writes must run in the consumers. The comparison is with the same weights dequantized to
+# float32 and run by plain transformers, so the only differences are the stored scale's rounding (fp16
+# scales: at most 2^-11 relative) and the consumer kernel's fp16/bf16 arithmetic: measured below 0.3 %;
+# a wrong code or zero point moves logits by tens of percent.
+KERNEL_TOLERANCE = 0.01
+
+
+@pytest.mark.parametrize("name, args", [
+    ("llama-bnb8", ["bnb8-to-gptq"]),
+    ("qwen3vl-bnb8-skipvisual", ["bnb8-to-gptq"]),
+    ("llama-autoround-w4g128-mixed8", ["--to", "gptq"]),
+    ("llama-gptq-w8g128", ["--to", "auto-round"]),
+    ("llama-gptq-w3g128", ["--to", "auto-round"]),
+])
+def test_gptq_and_auto_round_outputs_run_in_auto_round_kernels(tmp_path, name, args):
+    from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
+    from transformers import AutoRoundConfig
+
+    out = tmp_path / "out"
+    _convert(CHECKPOINTS / name, out, *args)
+    reference = tmp_path / "reference"
+    run_qconv("dequantize", "--dtype", "float32", CHECKPOINTS / name, reference, check=0)
+    ids = torch.tensor([[1, 5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37]])
+    kwargs = {"quantization_config": AutoRoundConfig()} if args[-1] != "auto-round" else {}
+    vlm = name.startswith("qwen3vl")
+    model, logits = _logits(out, ids, vlm, **kwargs)
+    quantized = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    expected = {k[: -len(".qweight")] for k in _tensors(out) if k.endswith(".qweight")}
+    assert quantized == expected                      # every stored module runs the kernel, no other
+    _, ref = _logits(reference, ids, vlm)
+    rel = ((logits - ref).norm() / ref.norm()).item()
+    assert rel < KERNEL_TOLERANCE, rel
+
+
+def test_bnb8_output_runs_in_bitsandbytes(tmp_path):
+    """bnb8 -> GPTQ with float32 scales -> bnb8 gives back the source's bytes (SCB recovered exactly),
+    so LLM.int8 reproduces the producer's logits exactly; through float16 scales SCB moves by the
+    scale rounding, and the model still runs in bitsandbytes within LLM.int8's own error of a float
+    reference (its activation quantization: 1.3-1.7 % measured, see test_dequantize.TOLERANCE)."""
+    import bitsandbytes as bnb
+
+    src = CHECKPOINTS / "qwen3vl-bnb8-skipvisual"
+    ids = load_file(src / "oracle" / "logits.safetensors")["input_ids"]
+    oracle = load_file(src / "oracle" / "logits.safetensors")["logits"]
+    for scale_dtype in ("float32", "float16"):
+        gptq, back = tmp_path / f"gptq-{scale_dtype}", tmp_path / f"bnb8-{scale_dtype}"
+        _convert(src, gptq, "bnb8-to-gptq", "--scale-dtype", scale_dtype)
+        _convert(gptq, back, "--to", "bnb8")
+        qc = json.loads((back / "config.json").read_text())["quantization_config"]
+        assert qc["llm_int8_threshold"] == 6.0 and isinstance(qc["llm_int8_threshold"], float)
+        assert "lm_head" in qc["llm_int8_skip_modules"] and "visual" not in qc["llm_int8_skip_modules"]
+        model, logits = _logits(back, ids, vlm=True)
+        quantized = {n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear8bitLt)}
+        assert quantized == {k[: -len(".SCB")] for k in _tensors(back) if k.endswith(".SCB")}
+        source, result = _tensors(src), _tensors(back)
+        if scale_dtype == "float32":
+            assert all(torch.equal(source[k], result[k]) and source[k].dtype == result[k].dtype for k in source)
+            assert torch.equal(logits, oracle)
+        else:
+            assert ((logits - oracle).norm() / oracle.norm()).item() < 0.03
+
+
+def _digest(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_lossless_round_trips_are_byte_identical(tmp_path):
+    g = tmp_path / "g"
+    _convert(CHECKPOINTS / "llama-bnb8", g, "bnb8-to-gptq")
+    _convert(g, tmp_path / "b", "--to", "bnb8")
+    _convert(tmp_path / "b", tmp_path / "g2", "--to", "gptq")            # gptq -> bnb8 -> gptq
+    assert _digest(g) == _digest(tmp_path / "g2")
+    _convert(g, tmp_path / "v2", "--to", "gptq-v2")
+    _convert(tmp_path / "v2", tmp_path / "v1", "--to", "gptq")           # v1 -> v2 -> v1
+    assert _digest(g) == _digest(tmp_path / "v1")
+    v2 = _tensors(tmp_path / "v2")
+    assert torch.equal(v2["model.norm.weight"], _tensors(g)["model.norm.weight"])
+    assert (v2["model.layers.0.mlp.up_proj.qzeros"] == torch.tensor(0x80808080 - 2**32, dtype=torch.int32)).all()
+
+    src = CHECKPOINTS / "llama-autoround-w4g128-mixed8"                  # auto-round -> gptq -> auto-round
+    _convert(src, tmp_path / "ar", "--to", "auto-round")
+    _convert(src, tmp_path / "gq", "--to", "gptq")
+    _convert(tmp_path / "gq", tmp_path / "ar2", "--to", "auto-round")
+    assert _digest(tmp_path / "ar") == _digest(tmp_path / "ar2")
+    original, repacked = _tensors(src), _tensors(tmp_path / "ar")
+    assert original.keys() == repacked.keys()
+    assert all(torch.equal(original[k], repacked[k]) and original[k].dtype == repacked[k].dtype for k in original)
+    qc = json.loads((tmp_path / "ar" / "config.json").read_text())["quantization_config"]
+    assert qc["extra_config"] == {"model.layers.0.self_attn.q_proj": {"bits": 8},
+                                  "model.layers.1.mlp.down_proj": {"bits": 8}}
+
+
+def test_float32_scales_keep_more(tmp_path):
+    fp16 = json.loads(_convert(CHECKPOINTS / "llama-bnb8", tmp_path / "a", "bnb8-to-gptq", "--json").stdout)
+    fp32 = json.loads(_convert(CHECKPOINTS / "llama-bnb8", tmp_path / "b", "bnb8-to-gptq", "--scale-dtype",
+                               "float32", "--json").stdout)
+    (a,), (b,) = fp16["components"], fp32["components"]
+    assert b["max_scale_rel_error"] < 2**-23 < a["max_scale_rel_error"]
+    assert _tensors(tmp_path / "b")["model.layers.0.mlp.up_proj.scales"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("name, args, needle", [
+    ("llama-bnb4-nf4-dq", ["--to", "gptq"], "nf4 codes cannot become gptq integers losslessly"),
+    ("llama-gptq-w4g128-actorder", ["--to", "auto-round"], "act-order g_idx cannot be stored in auto-round"),
+    ("llama-gptq-w8g128", ["--to", "bnb8"], "one scale per row"),
+    ("llama-gptq-w4g64-asym", ["--to", "auto-round"], "auto_round:auto_awq"),
+    ("llama-gptq-w4g64-asym", ["--to", "gptq", "--sym"], "asymmetric zero points cannot become symmetric"),
+    ("llama-bnb8", ["--to", "gptq", "--bits", "4"], "8-bit codes cannot become 4-bit codes losslessly"),
+    ("llama-gptq-w8g128", ["--to", "gptq", "--group-size", "64"], "group size 128 cannot become 64"),
+])
+def test_lossy_paths_are_refused_for_now(tmp_path, name, args, needle):
+    proc = run_qconv("convert", CHECKPOINTS / name, tmp_path / "out", *args)
+    assert proc.returncode == 5, proc.stderr
+    assert needle in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_pipeline_and_determinism_and_source_untouched(tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(CHECKPOINTS / "pipeline-qwen3vl-bnb8", src)
+    before = {p: p.read_bytes() for p in src.rglob("*") if p.is_file()}
+    _convert(src, tmp_path / "a", "bnb8-to-gptq")
+    _convert(src, tmp_path / "b", "bnb8-to-gptq")
+    assert {p: p.read_bytes() for p in src.rglob("*") if p.is_file()} == before
+    for sub in ("", "text_encoder", "tokenizer"):
+        assert _digest(tmp_path / "a" / sub) == _digest(tmp_path / "b" / sub)
+    assert _digest(tmp_path / "a" / "tokenizer") == _digest(src / "tokenizer")
+    single = tmp_path / "single"
+    _convert(CHECKPOINTS / "qwen3vl-bnb8-skipvisual", single, "bnb8-to-gptq")
+    assert _digest(tmp_path / "a" / "text_encoder") == _digest(single)
+
+
+@pytest.mark.parametrize("case", ["truncated", "index_outside_folder", "pickle_only", "quant_state_not_json"])
+def test_bad_input_leaves_no_destination(tmp_path, case):
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_bad_input import CASES
+
+    make, code = CASES[case]
+    work = tmp_path / "work"
+    work.mkdir()
+    path, needles = make(work)
+    proc = run_qconv("convert", "--to", "gptq", path, tmp_path / "out")
+    assert proc.returncode == code and all(n in proc.stderr for n in needles), proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
