@@ -64,13 +64,30 @@ def unpack_int32(words: np.ndarray, bits: int, axis: int = 0) -> np.ndarray:
     return np.moveaxis(codes.astype(np.uint8), 0, axis)
 
 
+def _pack_bytes_le(c: np.ndarray, bits: int) -> np.ndarray:
+    """bits in {2, 4, 8}: fold codes into bytes LSB-first along axis 0, then read each run of 4 bytes
+    as one little-endian word: the LSB-first bitstream, built with byte moves instead of 32-bit shifts."""
+    b = c.astype(np.uint8, copy=False)
+    width = bits
+    while width < 8:
+        b = b[0::2] | (b[1::2] << np.uint8(width))
+        width *= 2
+    nwords = b.shape[0] // 4
+    grouped = np.moveaxis(b.reshape((nwords, 4) + b.shape[1:]), 1, -1)
+    return np.ascontiguousarray(grouped).view("<u4").reshape(grouped.shape[:-1])
+
+
 def pack_int32(codes: np.ndarray, bits: int, axis: int = 0) -> np.ndarray:
     """uint codes (< 2**bits) -> int32 words, packed along ``axis``. Inverse of unpack_int32."""
-    c = np.moveaxis(np.asarray(codes), axis, 0).astype(np.uint32)
-    if np.any(c >> np.uint32(bits)):
-        raise ValueError(f"codes do not fit in {bits} bits")
+    c = np.moveaxis(np.asarray(codes), axis, 0)
+    if bits < 8 or c.dtype != np.uint8:
+        if np.any(c.astype(np.uint32) >> np.uint32(bits)):
+            raise ValueError(f"codes do not fit in {bits} bits")
     n = c.shape[0]
     nwords = packed_length(n, bits)
+    if bits in (2, 4, 8):
+        return np.ascontiguousarray(np.moveaxis(_pack_bytes_le(c, bits).view(np.int32), 0, axis))
+    c = c.astype(np.uint32)
     if 32 % bits == 0:
         per_word = 32 // bits
         grouped = c.reshape((nwords, per_word) + c.shape[1:])

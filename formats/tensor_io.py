@@ -62,6 +62,8 @@ def convert_float(values: np.ndarray, src: str, dst: str) -> np.ndarray:
     instructions, which numpy's float16 cast does not use (10x slower)."""
     if src == dst:
         return values
+    if values.size <= 1 << 16 and src in ("F16", "F32", "F64") and dst in ("F16", "F32"):
+        return values.astype(np.float16 if dst == "F16" else np.float32)   # small: skip torch's import
     import torch
 
     raw = np.ascontiguousarray(values)

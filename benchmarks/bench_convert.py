@@ -1,4 +1,5 @@
-"""Benchmark: `qconv dequantize` on a ~1.1B-parameter bitsandbytes int8 model (TinyLlama shapes, made by
+"""Benchmark: `qconv dequantize` (or, with --verb bnb8-to-gptq, `qconv bnb8-to-gptq`) on a ~1.1B-parameter
+bitsandbytes int8 model (TinyLlama shapes, made by
 transformers + bitsandbytes on CPU: make_tinyllama_bnb8.py), next to
 
   (a) the I/O floor: a process that reads every source tensor and writes the same output bytes (same
@@ -7,7 +8,8 @@ transformers + bitsandbytes on CPU: make_tinyllama_bnb8.py), next to
   (b) what users do today: transformers from_pretrained (bitsandbytes) + model.dequantize() + a manual
       safetensors save of the state dict (save_pretrained refuses after dequantize in transformers 5.23).
 
-    .venv/bin/python benchmarks/bench_dequantize.py [--runs 3] [--skip-transformers]
+    .venv/bin/python benchmarks/bench_convert.py [--runs 3] [--skip-transformers]
+    .venv/bin/python benchmarks/bench_convert.py --verb bnb8-to-gptq     (no transformers baseline)
 
 Each figure is a whole process: best wall time of N runs (warm page cache for reads, dirty pages
 flushed with sync before each run), and its peak RSS from wait4(). GB/s counts source bytes read plus output bytes written. Prints figures only.
@@ -41,7 +43,8 @@ for f in sorted(src.glob("*.safetensors")):
 for f in sorted(ref.glob("*.safetensors")):
     with safe_open(f, framework="pt") as h:
         spec = {k: (h.get_slice(k).get_shape(), h.get_slice(k).get_dtype()) for k in h.keys()}
-    dt = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+    dt = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I32": torch.int32,
+          "I8": torch.int8, "U8": torch.uint8}
     save_file({k: torch.empty(s, dtype=dt[d]) for k, (s, d) in spec.items()}, out / f.name,
               metadata={"format": "pt"})
 """
@@ -100,6 +103,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--verb", choices=["dequantize", "bnb8-to-gptq"], default="dequantize")
     args = ap.parse_args()
     # Made in a child process: this process must stay small, since a forked child's peak RSS
     # (wait4) starts from its parent's.
@@ -114,24 +118,25 @@ def main() -> None:
         def clear(path):
             return lambda: (shutil.rmtree(path, ignore_errors=True), path.mkdir())
 
-        subprocess.run([qconv, "dequantize", src, out], check=True, capture_output=True)   # warm-up
+        subprocess.run([qconv, args.verb, src, out], check=True, capture_output=True)   # warm-up
         out_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
         ref = tmp / "ref"
         os.rename(out, ref)
         rows = []
-        qc = _best([qconv, "dequantize", src, out], args.runs, clear(out))
+        qc = _best([qconv, args.verb, src, out], args.runs, clear(out))
         fl = _best([sys.executable, "-c", FLOOR, src, ref, floor_out], args.runs, clear(floor_out))
-        rows.append(("qconv dequantize", *qc))
+        rows.append((f"qconv {args.verb}", *qc))
         rows.append(("(a) I/O floor: safetensors read + write", *fl))
         rows.append(("    raw bytes: plain file read + write", *_best([sys.executable, "-c", RAW, src, ref, floor_out],
                                                                 args.runs, clear(floor_out))))
-        if not args.skip_transformers:
+        if not args.skip_transformers and args.verb == "dequantize":
             rows.append(("(b) transformers load + dequantize() + save",
                          *_best([sys.executable, "-c", TRANSFORMERS, src, tf_out], 1, clear(tf_out))))
     moved = src_bytes + out_bytes
     table = [(label, f"{wall:.2f}", f"{moved / wall / 1e9:.2f}", f"{rss / 2**20:.0f}",
               f"{wall / qc[0]:.2f}x") for label, wall, rss in rows]
-    print(f"TinyLlama-1.1B bnb int8 -> float16: reads {src_bytes / 1e9:.2f} GB, writes {out_bytes / 1e9:.2f} GB; "
+    target = "float16" if args.verb == "dequantize" else "GPTQ int8"
+    print(f"TinyLlama-1.1B bnb int8 -> {target}: reads {src_bytes / 1e9:.2f} GB, writes {out_bytes / 1e9:.2f} GB; "
           f"best of {args.runs} (transformers: 1 run), warm read cache, sync before each run, "
           f"{os.cpu_count()} CPUs\n")
     print(tabulate(table, headers=["whole process", "wall s", "GB/s", "peak RSS MiB", "time vs qconv"],
