@@ -104,16 +104,23 @@ def _convert_table(result: dict) -> str:
     rows = []
     for c in result["components"]:
         if "to" not in c:                                   # a float target: dequantized
-            rows.append((c["component"], c["method"], c["dtype"], c["dequantized_modules"], "-", "-",
+            rows.append((c["component"], c["method"], c["dtype"], c["dequantized_modules"], "-", "-", "-",
                          len(c["shards"]), f"{c['bytes_written'] / 1e9:.3f}"))
             continue
-        rounding = (f"{c['scales_rounded']}/{c['scales']} (max rel {c['max_scale_rel_error']:.2e})"
+        rounding = (f"{c['scales_rounded']}/{c['scales']} (max rel {c['max_scale_rel_error']:.1e})"
                     if c["scales"] else "-")
-        rows.append((c["component"], c["from"], c["to"], c["modules"], "0 (codes kept)", rounding,
+        requant = (f"{c['requantized']} (max rel {c['max_rel_frobenius']:.3f}; "
+                   f"{c['sq_error_vs_rtn']:.2f}x RTN's sq. error)" if c["requantized"] else "0")
+        rows.append((c["component"], c["from"], c["to"], c["modules"], c["codes_kept"], requant, rounding,
                      len(c["shards"]), f"{c['bytes_written'] / 1e9:.3f}"))
-    text = tabulate(rows, headers=["component", "from", "to", "modules", "codes changed",
+    text = tabulate(rows, headers=["component", "from", "to", "modules", "codes kept", "requantized",
                                    "scales rounded", "shards", "GB written"])
-    return f"{text}\nwrote {result['destination']} in {result['seconds']:.1f} s"
+    lines = [text]
+    for c in result["components"]:
+        for r in c.get("layers", []):
+            lines.append(f"  {c['component']}: {r['module']}: {r['reason']}: rel. error {r['rel_frobenius']:.4f}"
+                         f" (round-to-nearest {r['rtn_rel_frobenius']:.4f}), max abs {r['max_abs']:.3g}")
+    return "\n".join(lines) + f"\nwrote {result['destination']} in {result['seconds']:.1f} s"
 
 
 def _run_convert(src: Path, dst: Path, opts, overwrite: bool, max_shard_size: str, as_json: bool) -> int:
@@ -155,9 +162,11 @@ def _common(fn):
 @_SCALE_DTYPE
 @_common
 def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, overwrite, max_shard_size, as_json) -> int:
-    """Rewrite SRC in another format at DST, keeping every integer code where the arithmetic allows:
-    bnb8 <-> GPTQ 8-bit per-row symmetric, GPTQ v1 <-> v2 <-> auto-round. Float targets dequantize.
-    Paths that would need requantization exit 5 (not implemented yet).
+    """Rewrite SRC in another format at DST, keeping every integer code where the arithmetic allows
+    (bnb8 <-> GPTQ 8-bit per-row symmetric, GPTQ v1 <-> v2 <-> auto-round). Where it does not (nf4/fp4
+    to integers, other bits or group sizes, asym to sym) modules are requantized from the source's exact
+    weights with a per-group error search, and each one's error is reported next to plain
+    round-to-nearest's. Float targets dequantize. Requantizing into bnb8 exits 5 (not yet).
     """
     from .convert.convert import Options
 

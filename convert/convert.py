@@ -35,6 +35,7 @@ from ..formats.safetensors_header import FLOAT_DTYPES
 from ..formats.tensor_io import encode_float, to_float32
 from .dequantize import dequantize_component
 from .engine import DEFAULT_MAX_SHARD, OutTensor, passthrough, run, write_component
+from .requantize import requantize
 
 INT_TARGETS = ("gptq", "gptq-v2", "auto-round", "bnb8")
 FLOAT_TARGETS = ("float16", "bfloat16", "float32")
@@ -59,6 +60,14 @@ class Stats:
     scales_rounded: int = 0
     max_scale_rel_error: float = 0.0
     notes: list[str] = field(default_factory=list)
+    layers: list[dict] = field(default_factory=list)       # requantized modules and their error
+
+    def requantized(self, module: str, reason: str, source: str, target: str, err) -> None:
+        self.layers.append({"module": module, "reason": reason, "from": source, "to": target,
+                            "rel_frobenius": round(float(err.rel_frobenius), 6),
+                            "max_abs": float(err.max_abs), "sq_error": float(err.sq_error),
+                            "rtn_rel_frobenius": round(float(err.rtn_rel_frobenius), 6),
+                            "rtn_sq_error": float(err.rtn_sq_error)})
 
     def scale_rounding(self, exact: np.ndarray, stored: np.ndarray) -> None:
         rel = np.abs(stored.astype(np.float64) - exact.astype(np.float64)) / np.maximum(
@@ -70,36 +79,56 @@ class Stats:
 
 def _refuse(m: QuantModule, comp: Component, why: str) -> UnsupportedFormat:
     first = comp.tensors.get(m.weight_tensors[0]) if m.weight_tensors else None
-    return UnsupportedFormat(f"{why}; that needs requantization, which qconv does not do yet",
-                             file=first.file if first else None, tensor=m.name)
+    return UnsupportedFormat(f"{why}; that needs requantization, which qconv does not do for bitsandbytes "
+                             f"int8 targets yet", file=first.file if first else None, tensor=m.name)
 
 
-def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component) -> QuantSpec:
-    """The spec a module gets in the target, or a refusal when codes could not be kept."""
-    if src.scheme != "int":
-        raise _refuse(m, comp, f"{src.name} codes cannot become {opts.to} integers losslessly")
-    bits = opts.bits or src.bits
-    group = opts.group_size if opts.group_size is not None else src.group_size
-    sym = src.symmetric if opts.sym is None else opts.sym
-    if bits != src.bits:
-        raise _refuse(m, comp, f"{src.bits}-bit codes cannot become {bits}-bit codes losslessly")
-    if group != src.group_size and not (group <= 0 and src.group_size <= 0):
-        raise _refuse(m, comp, f"group size {src.group_size} cannot become {group} losslessly")
-    if sym and not src.symmetric:
-        raise _refuse(m, comp, "asymmetric zero points cannot become symmetric losslessly")
-    if opts.to == "bnb8" and (bits != 8 or src.group_size > 0 or not src.symmetric):
-        raise _refuse(m, comp, f"bitsandbytes int8 holds 8-bit symmetric codes with one scale per "
-                               f"row; this module has {src.bits}-bit "
-                               f"{'sym' if src.symmetric else 'asym'} codes in groups of {src.group_size}")
-    if opts.to == "auto-round" and not sym:
-        raise _refuse(m, comp, "auto-round stores asymmetric integers as auto_round:auto_awq, a layout "
-                               "qconv does not write yet (its auto_gptq packing is loaded as symmetric)")
+LOSSLESS_ONLY = ("bnb8",)
+
+
+def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
+                 act_order: bool) -> tuple[QuantSpec, str | None]:
+    """The spec a module gets in the target, and why it must be requantized (None: codes are kept).
+    Requantized defaults are what vLLM runs: symmetric, no act-order; a code-book source keeps its
+    block size as the group size when GPTQ kernels take it (32/64/128), else 128."""
+    codebook = src.scheme != "int"
+    bits = opts.bits or (4 if codebook else src.bits)
+    if opts.group_size is not None:
+        group = opts.group_size
+    elif codebook:
+        group = src.group_size if src.group_size in (32, 64, 128) else 128
+    else:
+        group = src.group_size
+    sym = (True if codebook else src.symmetric) if opts.sym is None else opts.sym
+    reason = None
+    if codebook:
+        reason = f"{src.name} codes are not integers"
+    elif bits != src.bits:
+        reason = f"{src.bits}-bit codes become {bits}-bit"
+    elif group != src.group_size and not (group <= 0 and src.group_size <= 0):
+        reason = f"group size {src.group_size} becomes {group}"
+    elif sym and not src.symmetric:
+        reason = "asymmetric zero points become symmetric"
+    elif act_order and opts.to == "auto-round":
+        reason = "act-order groups become contiguous (auto-round stores no g_idx)"
     if opts.to == "bnb8":
-        return QuantSpec("int", 8, -1, True, scale_divisor=127, scale_dtype="F32")
+        if reason is None and (bits != 8 or src.group_size > 0 or not src.symmetric):
+            reason = (f"bitsandbytes int8 holds 8-bit symmetric codes with one scale per row; this module "
+                      f"has {src.bits}-bit {'sym' if src.symmetric else 'asym'} codes in groups of "
+                      f"{src.group_size}")
+        if reason is not None:
+            raise _refuse(m, comp, reason)
+        return QuantSpec("int", 8, -1, True, scale_divisor=127, scale_dtype="F32"), None
+    if opts.to == "auto-round" and not sym:
+        raise UnsupportedFormat("auto-round stores asymmetric integers as auto_round:auto_awq, a layout "
+                                "qconv does not write yet (its auto_gptq packing is loaded as symmetric); "
+                                "use --sym or --to gptq-v2", tensor=m.name,
+                                file=comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else None)
     scale_code = SCALE_CODES[opts.scale_dtype] if opts.scale_dtype else (
-        "F16" if src.scale_divisor != 1 else src.scale_dtype)
-    return QuantSpec("int", bits, -1 if group <= 0 else group, sym, scale_dtype=scale_code,
+        "F16" if reason or src.scale_divisor != 1 else src.scale_dtype)
+    spec = QuantSpec("int", bits, -1 if group <= 0 else group, sym, scale_dtype=scale_code,
                      zero_encoding="v2" if opts.to == "gptq-v2" else "v1")
+    return spec, reason
 
 
 def _retarget(qt: QuantTensor, spec: QuantSpec, stats: Stats) -> QuantTensor:
@@ -158,11 +187,18 @@ def _encode_bnb8(qt: QuantTensor) -> dict[str, tuple[str, np.ndarray]]:
 
 
 def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, cache: _ModuleCache,
-                    stats: Stats, src_dtype: str, with_g_idx: bool) -> list[OutTensor]:
+                    stats: Stats, src_dtype: str, with_g_idx: bool, lossy: str | None) -> list[OutTensor]:
     out, inp, bits = m.out_features, m.in_features, spec.bits
 
     def encoded():
-        qt = _retarget(read_module(comp, det, m, src_dtype), spec, stats)
+        source = read_module(comp, det, m, src_dtype)
+        if lossy:
+            qt, err = requantize(source.dequantize(), spec.bits, spec.group_size, spec.symmetric,
+                                 spec.scale_dtype, source.dtype)
+            qt = replace(qt, spec=spec)
+            stats.requantized(m.name, lossy, source.spec.name, spec.name, err)
+        else:
+            qt = _retarget(source, spec, stats)
         stats.modules += 1
         if opts.to == "bnb8":
             return _encode_bnb8(qt)
@@ -262,23 +298,33 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
     outputs: dict[str, OutTensor] = {}
     src_cfg = gptq_codec.parse_config(det.qc) if det.qc and det.cfg_method in ("gptq", "auto-round") else {}
     desc_act = bool(src_cfg.get("desc_act")) and opts.to != "auto-round"
+    source_act_order = bool(src_cfg.get("desc_act"))
+    act_order_kept = []
     for m in det.modules:
         src_spec = _source_spec(comp, det, m, src_dtype)
-        spec = _target_spec(m, src_spec, opts, comp)
+        act_order = source_act_order and m.details.get("has_g_idx", False)
+        spec, lossy = _target_spec(m, src_spec, opts, comp, act_order)
         specs[m.name] = spec
-        with_g_idx = desc_act and m.details.get("has_g_idx", False)
-        for t in _module_outputs(comp, det, m, spec, opts, cache, stats, src_dtype, with_g_idx):
+        with_g_idx = desc_act and act_order and not lossy
+        if with_g_idx:
+            act_order_kept.append(m.name)
+        for t in _module_outputs(comp, det, m, spec, opts, cache, stats, src_dtype, with_g_idx, lossy):
             outputs[t.name] = t
     for name, info in comp.tensors.items():
         if name not in det.claimed_tensors:
             outputs[name] = passthrough(info)
     plan = [outputs[k] for k in sorted(outputs, key=natural_key)]
     config = dict(comp.config) if comp.config is not None else {}
-    config["quantization_config"] = _quant_config(comp, opts, specs, desc_act)
+    config["quantization_config"] = _quant_config(comp, opts, specs, bool(act_order_kept))
     written = write_component(comp, out_dir, plan, config, max_shard, f"converting {comp.name}")
+    layers = sorted(stats.layers, key=lambda r: natural_key(r["module"]))
+    sq, rtn = sum(r["sq_error"] for r in layers), sum(r["rtn_sq_error"] for r in layers)
     return {"component": comp.name, "from": det.method, "to": opts.to, "modules": stats.modules,
+            "codes_kept": stats.modules - len(layers), "requantized": len(layers),
             "scales": stats.scales, "scales_rounded": stats.scales_rounded,
-            "max_scale_rel_error": stats.max_scale_rel_error, **written,
+            "max_scale_rel_error": stats.max_scale_rel_error,
+            "max_rel_frobenius": max((r["rel_frobenius"] for r in layers), default=0.0),
+            "sq_error_vs_rtn": round(sq / rtn, 4) if rtn else None, "layers": layers, **written,
             "warnings": list(det.warnings) + stats.notes}
 
 
