@@ -153,15 +153,23 @@ def _common(fn):
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--to", "to", required=True,
-              type=click.Choice(["gptq", "gptq-v2", "auto-round", "bnb8", "float16", "bfloat16", "float32"]),
+              type=click.Choice(["gptq", "gptq-v2", "auto-round", "bnb8", "bnb4-nf4", "bnb4-fp4", "float16",
+                                 "bfloat16", "float32"]),
               help="Target format.")
 @click.option("--bits", type=click.IntRange(2, 8), default=None, help="Target bits (default: the source's).")
 @click.option("--group-size", type=int, default=None, help="Target group size, -1 per output row "
                                                             "(default: the source's).")
 @click.option("--sym/--asym", default=None, help="Symmetric zero points (default: the source's).")
 @_SCALE_DTYPE
+@click.option("--blocksize", type=click.Choice(["32", "64", "128", "256", "512", "1024", "2048", "4096"]),
+              default=None, help="bnb4 targets: block size (default: the source's, else 64).")
+@click.option("--double-quant/--no-double-quant", default=None,
+              help="bnb4 targets: keep the source's double quantization (default) or drop it.")
+@click.option("--quant-storage", type=click.Choice(["uint8", "bfloat16", "float16", "float32"]), default=None,
+              help="bnb4 targets: storage dtype of the packed weight (default: the source's, else uint8).")
 @_common
-def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, overwrite, max_shard_size, as_json) -> int:
+def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, double_quant, quant_storage,
+                overwrite, max_shard_size, as_json) -> int:
     """Rewrite SRC in another format at DST, keeping every integer code where the arithmetic allows
     (bnb8 <-> GPTQ 8-bit per-row symmetric, GPTQ v1 <-> v2 <-> auto-round). Where it does not (nf4/fp4
     to integers, other bits or group sizes, asym to sym) modules are requantized from the source's exact
@@ -170,8 +178,9 @@ def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, overwrite, max
     """
     from .convert.convert import Options
 
-    return _run_convert(src, dst, Options(to, bits, group_size, sym, scale_dtype), overwrite,
-                        max_shard_size, as_json)
+    opts = Options(to, bits, group_size, sym, scale_dtype, int(blocksize) if blocksize else None,
+                   double_quant, quant_storage)
+    return _run_convert(src, dst, opts, overwrite, max_shard_size, as_json)
 
 
 @cli.command("bnb8-to-gptq", epilog=EXIT_CODES_HELP)

@@ -28,6 +28,7 @@ from ..errors import UnsupportedFormat
 from ..formats import gptq_codec
 from ..formats.checkpoint import Component
 from ..formats.detect import Detection, detect
+from ..formats.bnb_codec import STORAGE_CODES
 from ..formats.ir import QuantSpec, QuantTensor
 from ..formats.layout import QuantModule, natural_key
 from ..formats.reader import model_dtype, read_module
@@ -38,8 +39,9 @@ from .engine import DEFAULT_MAX_SHARD, OutTensor, passthrough, run, write_compon
 from .requantize import requantize
 
 INT_TARGETS = ("gptq", "gptq-v2", "auto-round", "bnb8")
+BNB4_TARGETS = {"bnb4-nf4": "nf4", "bnb4-fp4": "fp4"}
 FLOAT_TARGETS = ("float16", "bfloat16", "float32")
-TARGETS = INT_TARGETS + FLOAT_TARGETS
+TARGETS = INT_TARGETS + tuple(BNB4_TARGETS) + FLOAT_TARGETS
 SCALE_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 
 
@@ -50,6 +52,9 @@ class Options:
     group_size: int | None = None
     sym: bool | None = None
     scale_dtype: str | None = None      # None: the source's (bnb int8 sources: float16)
+    blocksize: int | None = None        # bnb4 targets; None: the source's, else 64
+    double_quant: bool | None = None    # bnb4 targets; None: the source's, else off
+    quant_storage: str | None = None    # bnb4 targets; None: the source's, else uint8
 
 
 @dataclass
@@ -92,6 +97,8 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
     Requantized defaults are what vLLM runs: symmetric, no act-order; a code-book source keeps its
     block size as the group size when GPTQ kernels take it (32/64/128), else 128."""
     codebook = src.scheme != "int"
+    if opts.to in BNB4_TARGETS:
+        return _bnb4_target_spec(m, src, opts, comp)
     bits = opts.bits or (4 if codebook else src.bits)
     if opts.group_size is not None:
         group = opts.group_size
@@ -129,6 +136,27 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
     spec = QuantSpec("int", bits, -1 if group <= 0 else group, sym, scale_dtype=scale_code,
                      zero_encoding="v2" if opts.to == "gptq-v2" else "v1")
     return spec, reason
+
+
+def _bnb4_target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component):
+    from ..formats.bnb_codec import CODEBOOKS, STORAGE_CODES
+
+    qtype = BNB4_TARGETS[opts.to]
+    same_book = src.scheme == qtype
+    blocksize = opts.blocksize or (src.group_size if same_book else 64)
+    storage = STORAGE_CODES[opts.quant_storage] if opts.quant_storage else (src.storage if same_book else "U8")
+    source_dq = same_book and m.details.get("double_quant", False)
+    double = source_dq if opts.double_quant is None else opts.double_quant
+    if double and not source_dq:
+        raise UnsupportedFormat("writing a new double quantization is not implemented yet; use "
+                                "--no-double-quant", file=comp.tensors[m.weight_tensors[0]].file, tensor=m.name)
+    spec = QuantSpec(qtype, 4, blocksize, True, codebook=tuple(map(float, CODEBOOKS[qtype])),
+                     scale_dtype="F32", storage=storage)
+    if not same_book:
+        return spec, f"{src.name} codes become {qtype}"
+    if blocksize != src.group_size:
+        return spec, f"blocksize {src.group_size} becomes {blocksize}"
+    return spec, None
 
 
 def _retarget(qt: QuantTensor, spec: QuantSpec, stats: Stats) -> QuantTensor:
@@ -186,12 +214,37 @@ def _encode_bnb8(qt: QuantTensor) -> dict[str, tuple[str, np.ndarray]]:
             "weight_format": ("U8", np.zeros((), np.uint8))}
 
 
+def _encode_bnb4(source: QuantTensor, spec: QuantSpec, lossy: str | None, keep_dq: bool, stats: Stats,
+                 m: QuantModule):
+    from ..formats.bnb_codec import encode_4bit, quantize_4bit
+    from .requantize import LayerError, error
+
+    if lossy:
+        w = source.dequantize()
+        codes, absmax = quantize_4bit(w, spec.scheme, spec.group_size)
+        rtn_codes, rtn_absmax = quantize_4bit(w, spec.scheme, spec.group_size, search=False)
+        qt = QuantTensor(spec, source.shape, source.dtype, codes=codes, scales=absmax)
+        rtn = QuantTensor(spec, source.shape, source.dtype, codes=rtn_codes, scales=rtn_absmax)
+        rel, mx, sq = error(w, qt.dequantize())
+        rtn_rel, _, rtn_sq = error(w, rtn.dequantize())
+        stats.requantized(m.name, lossy, source.spec.name, spec.name, LayerError(rel, mx, sq, rtn_rel, rtn_sq))
+    else:
+        qt = replace(source, spec=spec, double_quant=source.double_quant if keep_dq else None)
+    stats.modules += 1
+    return encode_4bit(qt)
+
+
 def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, cache: _ModuleCache,
                     stats: Stats, src_dtype: str, with_g_idx: bool, lossy: str | None) -> list[OutTensor]:
     out, inp, bits = m.out_features, m.in_features, spec.bits
+    keep_dq = (opts.to in BNB4_TARGETS and not lossy and m.details.get("double_quant", False)
+               and opts.double_quant is not False)
+    weight_dtype = m.details.get("dtype") or src_dtype
 
     def encoded():
         source = read_module(comp, det, m, src_dtype)
+        if opts.to in BNB4_TARGETS:
+            return _encode_bnb4(source, spec, lossy, keep_dq, stats, m)
         if lossy:
             qt, err = requantize(source.dequantize(), spec.bits, spec.group_size, spec.symmetric,
                                  spec.scale_dtype, source.dtype)
@@ -216,6 +269,25 @@ def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, c
     if opts.to == "bnb8":
         return [tensor("weight", "I8", (out, inp)), tensor("SCB", "F32", (out,)),
                 tensor("weight_format", "U8", ())]
+    if opts.to in BNB4_TARGETS:
+        from ..formats.bnb_codec import _STORAGE_NUMPY, quant_state_json
+        n, bs = out * inp, spec.group_size
+        nb = -(-n // bs)
+        itemsize = np.dtype(_STORAGE_NUMPY[spec.storage]).itemsize
+        if ((n + 1) // 2) % itemsize:
+            raise UnsupportedFormat(f"{(n + 1) // 2} packed bytes cannot be stored as {spec.storage}",
+                                    tensor=m.name)
+        offset = m.details["quant_state"].get("nested_offset") if keep_dq else None
+        blob = quant_state_json(spec.scheme, bs, weight_dtype, (out, inp), offset,
+                                m.details["quant_state"].get("nested_blocksize", 256) if keep_dq else 256)
+        tensors = [tensor("weight", spec.storage, ((n + 1) // 2 // itemsize, 1)),
+                   tensor("weight.absmax", "U8" if keep_dq else "F32", (nb,)),
+                   tensor("weight.quant_map", "F32", (16,))]
+        if keep_dq:
+            nested = m.details["quant_state"].get("nested_blocksize", 256)
+            tensors += [tensor("weight.nested_absmax", "F32", (-(-nb // nested),)),
+                        tensor("weight.nested_quant_map", "F32", (256,))]
+        return tensors + [tensor(f"weight.quant_state.bitsandbytes__{spec.scheme}", "U8", (len(blob),))]
     groups = 1 if spec.group_size <= 0 else -(-inp // spec.group_size)
     tensors = [tensor("qweight", "I32", (inp * bits // 32, out)),
                tensor("qzeros", "I32", (groups, out * bits // 32)),
@@ -250,8 +322,22 @@ def _skip_prefixes(unquantized: list[str], quantized: list[str]) -> list[str]:
     return sorted(out, key=natural_key)
 
 
-def _quant_config(comp: Component, opts: Options, specs: dict[str, QuantSpec], desc_act: bool) -> dict:
+def _quant_config(comp: Component, opts: Options, specs: dict[str, QuantSpec], desc_act: bool,
+                  dq: dict[str, bool] | None = None) -> dict:
+    dq = dq or {}
     quantized = sorted(specs, key=natural_key)
+    if opts.to in BNB4_TARGETS:
+        spec = next(iter(specs.values()))
+        skip = _skip_prefixes([n for n in _linear_modules(comp) if n not in specs], quantized)
+        src_qc = comp.config.get("quantization_config") if comp.config else None
+        compute = (src_qc or {}).get("bnb_4bit_compute_dtype") or "float32"
+        storage = {v: k for k, v in STORAGE_CODES.items()}
+        return {"quant_method": "bitsandbytes", "load_in_8bit": False, "load_in_4bit": True,
+                "_load_in_8bit": False, "_load_in_4bit": True, "llm_int8_threshold": 6.0,
+                "llm_int8_skip_modules": skip, "llm_int8_enable_fp32_cpu_offload": False,
+                "llm_int8_has_fp16_weight": False, "bnb_4bit_compute_dtype": compute,
+                "bnb_4bit_quant_type": spec.scheme, "bnb_4bit_use_double_quant": any(dq.values()),
+                "bnb_4bit_quant_storage": storage[spec.storage]}
     if opts.to == "bnb8":
         skip = _skip_prefixes([n for n in _linear_modules(comp) if n not in specs], quantized)
         return {"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False,
@@ -299,12 +385,13 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
     src_cfg = gptq_codec.parse_config(det.qc) if det.qc and det.cfg_method in ("gptq", "auto-round") else {}
     desc_act = bool(src_cfg.get("desc_act")) and opts.to != "auto-round"
     source_act_order = bool(src_cfg.get("desc_act"))
-    act_order_kept = []
+    act_order_kept, lossy_of = [], {}
     for m in det.modules:
         src_spec = _source_spec(comp, det, m, src_dtype)
         act_order = source_act_order and m.details.get("has_g_idx", False)
         spec, lossy = _target_spec(m, src_spec, opts, comp, act_order)
         specs[m.name] = spec
+        lossy_of[m.name] = lossy
         with_g_idx = desc_act and act_order and not lossy
         if with_g_idx:
             act_order_kept.append(m.name)
@@ -315,7 +402,9 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
             outputs[name] = passthrough(info)
     plan = [outputs[k] for k in sorted(outputs, key=natural_key)]
     config = dict(comp.config) if comp.config is not None else {}
-    config["quantization_config"] = _quant_config(comp, opts, specs, bool(act_order_kept))
+    double = {m.name: (opts.to in BNB4_TARGETS and not lossy_of[m.name] and m.details.get("double_quant", False)
+                       and opts.double_quant is not False) for m in det.modules}
+    config["quantization_config"] = _quant_config(comp, opts, specs, bool(act_order_kept), double)
     written = write_component(comp, out_dir, plan, config, max_shard, f"converting {comp.name}")
     layers = sorted(stats.layers, key=lambda r: natural_key(r["module"]))
     sq, rtn = sum(r["sq_error"] for r in layers), sum(r["rtn_sq_error"] for r in layers)
@@ -334,7 +423,8 @@ def _source_spec(comp, det: Detection, m: QuantModule, src_dtype: str) -> QuantS
         return QuantSpec("int", 8, -1, True, scale_divisor=127)
     if m.family == "bnb4":
         from ..formats.bnb_codec import CODEBOOKS
-        return QuantSpec(m.scheme, 4, m.group_size, True, codebook=tuple(map(float, CODEBOOKS[m.scheme])))
+        return QuantSpec(m.scheme, 4, m.group_size, True, codebook=tuple(map(float, CODEBOOKS[m.scheme])),
+                         storage=STORAGE_CODES.get(m.details.get("quant_storage"), "U8"))
     settings = gptq_codec.per_module_settings(det.qc, m.name) if det.qc else None
     sym = bool((settings or {}).get("sym", True))
     group = -1 if m.details.get("groups") == 1 else (m.group_size or -1)

@@ -82,3 +82,84 @@ def read_4bit(m: QuantModule, tensors: Mapping[str, TensorInfo]) -> QuantTensor:
     dtype = qs.get("dtype", "float16")
     return QuantTensor(spec, (m.out_features, m.in_features), dtype, codes=codes, scales=absmax,
                        double_quant=double)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writers: QuantTensor -> the tensors bitsandbytes saves (leaf names after "<module>.")
+
+_STORAGE_NUMPY = {"U8": np.uint8, "I8": np.int8, "F16": np.float16, "BF16": np.uint16, "F32": np.float32,
+                  "F64": np.float64}
+STORAGE_CODES = {"uint8": "U8", "int8": "I8", "float16": "F16", "bfloat16": "BF16", "float32": "F32",
+                 "float64": "F64"}
+
+
+def quant_state_json(quant_type: str, blocksize: int, dtype: str, shape, nested_offset=None,
+                     nested_blocksize: int = 256) -> bytes:
+    """The packed quant_state exactly as bitsandbytes writes it: json.dumps of QuantState.as_dict's
+    non-tensor items, in that order (FORMATS.md §2.1). Known before any data is read, so a writer can
+    plan its header (the nested offset of a double-quantized source comes from the source's JSON)."""
+    import json
+
+    state = {"quant_type": quant_type, "blocksize": blocksize, "dtype": dtype, "shape": list(shape)}
+    if nested_offset is not None:
+        state.update({"nested_blocksize": nested_blocksize, "nested_dtype": "float32",
+                      "nested_offset": float(nested_offset)})
+    return json.dumps(state).encode("utf-8")
+
+
+def encode_4bit(qt: QuantTensor) -> dict[str, tuple[str, np.ndarray]]:
+    from .packing import pack_nibbles_high_first
+
+    storage = qt.spec.storage or "U8"
+    packed = pack_nibbles_high_first(qt.codes)
+    itemsize = np.dtype(_STORAGE_NUMPY[storage]).itemsize
+    if packed.size % itemsize:
+        raise ValueError(f"{packed.size} packed bytes cannot be stored as {storage}")
+    out = {"weight": (storage, packed.view(_STORAGE_NUMPY[storage]).reshape(-1, 1))}
+    dq = qt.double_quant
+    if dq is None:
+        out["weight.absmax"] = ("F32", np.ascontiguousarray(qt.scales, dtype=np.float32))
+    else:
+        out["weight.absmax"] = ("U8", np.ascontiguousarray(dq.codes, dtype=np.uint8))
+    out["weight.quant_map"] = ("F32", CODEBOOKS[qt.spec.scheme].copy())
+    if dq is not None:
+        out["weight.nested_absmax"] = ("F32", np.ascontiguousarray(dq.nested_absmax, dtype=np.float32))
+        out["weight.nested_quant_map"] = ("F32", np.ascontiguousarray(dq.nested_map, dtype=np.float32))
+    blob = quant_state_json(qt.spec.scheme, qt.spec.group_size, qt.dtype, qt.shape,
+                            dq.offset if dq is not None else None, dq.blocksize if dq is not None else 256)
+    out[f"weight.quant_state.bitsandbytes__{qt.spec.scheme}"] = ("U8", np.frombuffer(blob, dtype=np.uint8).copy())
+    return out
+
+
+def quantize_4bit(w: np.ndarray, quant_type: str, blocksize: int, *, search: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Float weights -> (codes [n], absmax [n_blocks]) over the row-major flattened weight. The block
+    scale is searched around the block's absmax (0.60 .. 1.20 of it) for the least squared error;
+    search=False is bitsandbytes' own rule (scale = absmax, nearest code)."""
+    book = CODEBOOKS[quant_type]
+    order = np.argsort(book, kind="stable")
+    sorted_book = book[order]
+    bounds = (sorted_book[:-1] + sorted_book[1:]) / 2
+    flat = np.asarray(w, np.float32).reshape(-1)
+    n = flat.size
+    nb = -(-n // blocksize)
+    padded = np.zeros(nb * blocksize, np.float32)
+    padded[:n] = flat
+    mask = np.zeros(nb * blocksize, np.float32)
+    mask[:n] = 1
+    blocks, mask = padded.reshape(nb, blocksize), mask.reshape(nb, blocksize)
+    amax = np.abs(blocks).max(axis=1)
+    best = None
+    for f in (np.concatenate([[1.0], np.linspace(0.60, 1.20, 61)]) if search else [1.0]):
+        scale = (amax * np.float32(f)).astype(np.float32)
+        safe = np.where(scale > 0, scale, np.float32(1))
+        x = np.clip(blocks / safe[:, None], -1, 1)
+        codes = order[np.searchsorted(bounds, x)].astype(np.uint8)
+        err = (((book[codes] * scale[:, None]) - blocks) ** 2 * mask).sum(axis=1)
+        if best is None:
+            best = [err, scale, codes]
+        else:
+            better = err < best[0]
+            best[0] = np.where(better, err, best[0])
+            best[1] = np.where(better, scale, best[1])
+            best[2] = np.where(better[:, None], codes, best[2])
+    return best[2].reshape(-1)[:n], best[1].astype(np.float32)

@@ -267,3 +267,44 @@ def test_bad_input_leaves_no_destination(tmp_path, case):
     proc = run_qconv("convert", "--to", "gptq", path, tmp_path / "out")
     assert proc.returncode == code and all(n in proc.stderr for n in needles), proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
+
+
+def test_bnb4_repack_writes_bitsandbytes_own_bytes(tmp_path):
+    """Same format in, same format out: every tensor qconv writes, quant_state JSON included, is byte for
+    byte what bitsandbytes wrote; changing storage dtype or dropping double quant keeps every value."""
+    src = CHECKPOINTS / "llama-bnb4-nf4-dq"
+    _convert(src, tmp_path / "same", "--to", "bnb4-nf4")
+    original, same = _tensors(src), _tensors(tmp_path / "same")
+    assert original.keys() == same.keys()
+    assert all(torch.equal(original[k], same[k]) and original[k].dtype == same[k].dtype for k in original)
+    _convert(src, tmp_path / "other", "--to", "bnb4-nf4", "--quant-storage", "bfloat16", "--no-double-quant")
+    other = _tensors(tmp_path / "other")
+    assert other["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
+    assert "model.layers.0.mlp.up_proj.weight.nested_absmax" not in other
+    for name in ("same", "other"):
+        run_qconv("dequantize", "--dtype", "float16", tmp_path / name, tmp_path / f"{name}-deq", check=0)
+    assert all(torch.equal(v, _tensors(tmp_path / "same-deq")[k]) for k, v in _tensors(tmp_path / "other-deq").items())
+    oracle = load_file(src / "oracle" / "logits.safetensors")
+    _, logits = _logits(tmp_path / "other", oracle["input_ids"])
+    assert ((logits - oracle["logits"]).norm() / oracle["logits"].norm()).item() < 1e-4
+
+
+@pytest.mark.parametrize("name, to", [("llama-gptq-w4g128-actorder", "bnb4-nf4"), ("llama-bnb8", "bnb4-fp4")])
+def test_requantized_bnb4_runs_in_bitsandbytes(tmp_path, name, to):
+    """int -> nf4/fp4: a per-block scale search, never worse than bitsandbytes' own rule (scale = block
+    absmax, nearest code) on any layer; the result runs in bitsandbytes' Linear4bit and matches its own
+    weights run in float32 to the consumer's own arithmetic (activations in the model's bf16/fp16)."""
+    import bitsandbytes as bnb
+
+    out = tmp_path / "out"
+    report = json.loads(_convert(CHECKPOINTS / name, out, "--to", to, "--json").stdout)["components"][0]
+    assert report["requantized"] == 14
+    assert all(r["sq_error"] <= r["rtn_sq_error"] for r in report["layers"])
+    reference = tmp_path / "reference"
+    run_qconv("dequantize", "--dtype", "float32", out, reference, check=0)
+    ids = torch.tensor([[1, 5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37]])
+    model, logits = _logits(out, ids)
+    assert {n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)} == \
+        {k[: -len(".weight.absmax")] for k in _tensors(out) if k.endswith(".weight.absmax")}
+    _, ref = _logits(reference, ids)
+    assert ((logits - ref).norm() / ref.norm()).item() < KERNEL_TOLERANCE
