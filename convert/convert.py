@@ -17,6 +17,7 @@ asymmetric to symmetric) are refused with exit 5 for now rather than done badly.
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -84,8 +85,7 @@ class Stats:
 
 def _refuse(m: QuantModule, comp: Component, why: str) -> UnsupportedFormat:
     first = comp.tensors.get(m.weight_tensors[0]) if m.weight_tensors else None
-    return UnsupportedFormat(f"{why}; that needs requantization, which qconv does not do for bitsandbytes "
-                             f"int8 targets yet", file=first.file if first else None, tensor=m.name)
+    return UnsupportedFormat(why, file=first.file if first else None, tensor=m.name)
 
 
 LOSSLESS_ONLY = ("bnb8",)
@@ -123,9 +123,7 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
             reason = (f"bitsandbytes int8 holds 8-bit symmetric codes with one scale per row; this module "
                       f"has {src.bits}-bit {'sym' if src.symmetric else 'asym'} codes in groups of "
                       f"{src.group_size}")
-        if reason is not None:
-            raise _refuse(m, comp, reason)
-        return QuantSpec("int", 8, -1, True, scale_divisor=127, scale_dtype="F32"), None
+        return QuantSpec("int", 8, -1, True, scale_divisor=127, scale_dtype="F32"), reason
     if opts.to == "auto-round" and not sym:
         raise UnsupportedFormat("auto-round stores asymmetric integers as auto_round:auto_awq, a layout "
                                 "qconv does not write yet (its auto_gptq packing is loaded as symmetric); "
@@ -147,15 +145,14 @@ def _bnb4_target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Compo
     storage = STORAGE_CODES[opts.quant_storage] if opts.quant_storage else (src.storage if same_book else "U8")
     source_dq = same_book and m.details.get("double_quant", False)
     double = source_dq if opts.double_quant is None else opts.double_quant
-    if double and not source_dq:
-        raise UnsupportedFormat("writing a new double quantization is not implemented yet; use "
-                                "--no-double-quant", file=comp.tensors[m.weight_tensors[0]].file, tensor=m.name)
     spec = QuantSpec(qtype, 4, blocksize, True, codebook=tuple(map(float, CODEBOOKS[qtype])),
                      scale_dtype="F32", storage=storage)
     if not same_book:
         return spec, f"{src.name} codes become {qtype}"
     if blocksize != src.group_size:
         return spec, f"blocksize {src.group_size} becomes {blocksize}"
+    if double and not source_dq:
+        return spec, "block absmax gets double-quantized"
     return spec, None
 
 
@@ -214,17 +211,26 @@ def _encode_bnb8(qt: QuantTensor) -> dict[str, tuple[str, np.ndarray]]:
             "weight_format": ("U8", np.zeros((), np.uint8))}
 
 
-def _encode_bnb4(source: QuantTensor, spec: QuantSpec, lossy: str | None, keep_dq: bool, stats: Stats,
-                 m: QuantModule):
-    from ..formats.bnb_codec import encode_4bit, quantize_4bit
+def _encode_bnb4(source: QuantTensor, spec: QuantSpec, lossy: str | None, keep_dq: bool, want_dq: bool,
+                 stats: Stats, m: QuantModule):
+    from ..formats.bnb_codec import double_quantize, encode_4bit, quantize_4bit
+
+    same_codes = source.spec.scheme == spec.scheme and source.spec.group_size == spec.group_size
     from .requantize import LayerError, error
 
     if lossy:
         w = source.dequantize()
-        codes, absmax = quantize_4bit(w, spec.scheme, spec.group_size)
+        if same_codes:                        # only the absmax changes: keep the codes
+            codes, absmax = source.codes, source.scales
+        else:
+            codes, absmax = quantize_4bit(w, spec.scheme, spec.group_size)
         rtn_codes, rtn_absmax = quantize_4bit(w, spec.scheme, spec.group_size, search=False)
-        qt = QuantTensor(spec, source.shape, source.dtype, codes=codes, scales=absmax)
-        rtn = QuantTensor(spec, source.shape, source.dtype, codes=rtn_codes, scales=rtn_absmax)
+        dq = double_quantize(absmax) if want_dq else None
+        qt = QuantTensor(spec, source.shape, source.dtype, codes=codes,
+                         scales=dq.decode() if dq is not None else absmax, double_quant=dq)
+        rtn_dq = double_quantize(rtn_absmax) if want_dq else None
+        rtn = QuantTensor(spec, source.shape, source.dtype, codes=rtn_codes,
+                          scales=rtn_dq.decode() if rtn_dq is not None else rtn_absmax)
         rel, mx, sq = error(w, qt.dequantize())
         rtn_rel, _, rtn_sq = error(w, rtn.dequantize())
         stats.requantized(m.name, lossy, source.spec.name, spec.name, LayerError(rel, mx, sq, rtn_rel, rtn_sq))
@@ -237,30 +243,40 @@ def _encode_bnb4(source: QuantTensor, spec: QuantSpec, lossy: str | None, keep_d
 def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, cache: _ModuleCache,
                     stats: Stats, src_dtype: str, with_g_idx: bool, lossy: str | None) -> list[OutTensor]:
     out, inp, bits = m.out_features, m.in_features, spec.bits
-    keep_dq = (opts.to in BNB4_TARGETS and not lossy and m.details.get("double_quant", False)
-               and opts.double_quant is not False)
+    source_dq = m.family == "bnb4" and m.details.get("double_quant", False)
+    keep_dq = opts.to in BNB4_TARGETS and not lossy and source_dq and opts.double_quant is not False
+    want_dq = opts.to in BNB4_TARGETS and (opts.double_quant if opts.double_quant is not None else
+                                           (source_dq and m.scheme == BNB4_TARGETS[opts.to]))
     weight_dtype = m.details.get("dtype") or src_dtype
 
-    def encoded():
+    def encoded(st: Stats = stats):
         source = read_module(comp, det, m, src_dtype)
         if opts.to in BNB4_TARGETS:
-            return _encode_bnb4(source, spec, lossy, keep_dq, stats, m)
-        if lossy:
+            return _encode_bnb4(source, spec, lossy, keep_dq, want_dq, st, m)
+        if lossy and spec.scale_divisor == 127:           # -> bnb int8: per-row 8-bit, then SCB = s * 127
+            qt, err = requantize(source.dequantize(), 8, -1, True, "F32", source.dtype)
+            st.requantized(m.name, lossy, source.spec.name, spec.name, err)
+            qt = _retarget(qt, spec, Stats())
+        elif lossy:
             qt, err = requantize(source.dequantize(), spec.bits, spec.group_size, spec.symmetric,
                                  spec.scale_dtype, source.dtype)
             qt = replace(qt, spec=spec)
-            stats.requantized(m.name, lossy, source.spec.name, spec.name, err)
+            st.requantized(m.name, lossy, source.spec.name, spec.name, err)
         else:
-            qt = _retarget(source, spec, stats)
-        stats.modules += 1
+            qt = _retarget(source, spec, st)
+        st.modules += 1
         if opts.to == "bnb8":
             return _encode_bnb8(qt)
         if qt.g_idx is not None and not with_g_idx:
-            raise _refuse(m, comp, f"act-order g_idx cannot be stored in {opts.to}")
+            raise _refuse(m, comp, f"act-order g_idx cannot be stored in {opts.to}")  # planned as lossy
         tensors = gptq_codec.encode(qt, zero_encoding=spec.zero_encoding)
         if not with_g_idx:
             tensors.pop("g_idx")
         return tensors
+
+    def encoded_offset():
+        quant_state = next(v for k, v in encoded(Stats()).items() if k.startswith("weight.quant_state."))[1]
+        return json.loads(quant_state.tobytes())["nested_offset"]
 
     def tensor(leaf, dtype, shape):
         return OutTensor(f"{m.name}.{leaf}", dtype, shape,
@@ -277,14 +293,21 @@ def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, c
         if ((n + 1) // 2) % itemsize:
             raise UnsupportedFormat(f"{(n + 1) // 2} packed bytes cannot be stored as {spec.storage}",
                                     tensor=m.name)
-        offset = m.details["quant_state"].get("nested_offset") if keep_dq else None
-        blob = quant_state_json(spec.scheme, bs, weight_dtype, (out, inp), offset,
-                                m.details["quant_state"].get("nested_blocksize", 256) if keep_dq else 256)
-        tensors = [tensor("weight", spec.storage, ((n + 1) // 2 // itemsize, 1)),
-                   tensor("weight.absmax", "U8" if keep_dq else "F32", (nb,)),
-                   tensor("weight.quant_map", "F32", (16,))]
+        has_dq = keep_dq or want_dq
+        nested = m.details["quant_state"].get("nested_blocksize", 256) if keep_dq else 256
         if keep_dq:
-            nested = m.details["quant_state"].get("nested_blocksize", 256)
+            offset = m.details["quant_state"].get("nested_offset")
+        elif want_dq:
+            # The JSON's length depends on the new offset's digits, and the header comes first: work the
+            # offset out now (one module at a time; the write pass recomputes the same numbers).
+            offset = encoded_offset()
+        else:
+            offset = None
+        blob = quant_state_json(spec.scheme, bs, weight_dtype, (out, inp), offset, nested)
+        tensors = [tensor("weight", spec.storage, ((n + 1) // 2 // itemsize, 1)),
+                   tensor("weight.absmax", "U8" if has_dq else "F32", (nb,)),
+                   tensor("weight.quant_map", "F32", (16,))]
+        if has_dq:
             tensors += [tensor("weight.nested_absmax", "F32", (-(-nb // nested),)),
                         tensor("weight.nested_quant_map", "F32", (256,))]
         return tensors + [tensor(f"weight.quant_state.bitsandbytes__{spec.scheme}", "U8", (len(blob),))]

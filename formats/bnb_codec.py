@@ -87,6 +87,55 @@ def read_4bit(m: QuantModule, tensors: Mapping[str, TensorInfo]) -> QuantTensor:
 # ---------------------------------------------------------------------------------------------
 # Writers: QuantTensor -> the tensors bitsandbytes saves (leaf names after "<module>.")
 
+# bitsandbytes' signed dynamic 8-bit map for double quantization (create_dynamic_map(signed=True):
+# 256 sorted float32 values in [-0.99297, 1]), as little-endian float32 bytes; tests check it against
+# bitsandbytes' own function.
+DYNAMIC_MAP = np.frombuffer(bytes.fromhex(
+    "33337ebf9a997abf000077bf666673bfcdcc6fbf33336cbf9a9968bf000065bf666661bfcdcc5dbf33335abf9a9956bf"
+    "000053bf66664fbfcdcc4bbf333348bf9a9944bf000041bf66663dbfcdcc39bf343336bf9a9932bf00002fbf66662bbf"
+    "cdcc27bf343324bf9a9920bf00001dbf666619bfcdcc15bf343312bf9a990ebf00000bbf666607bfcccc03bf333300bf"
+    "3233f9be0000f2becccceabe9a99e3be6666dcbe3333d5be0000cebeccccc6be9a99bfbe6666b8be3333b1be0000aabe"
+    "cccca2be9a999bbe666694be34338dbe000086be99997dbe33336fbecdcc60be666652be000044be9a9935be333327be"
+    "cdcc18be66660abe0000f8bd3433dbbd85ebc9bdf728c4bd6766bebdd7a3b8bd48e1b2bdb81eadbd2a5ca7bd9a99a1bd"
+    "0ad79bbd7b1496bdeb5190bd5d8f8abdcdcc84bd7b147ebd5d8f72bd3d0a67bd1f855bbd000050bde17a44bdc3f538bd"
+    "a3702dbd85eb21bd676616bd48e10abd52b8febc15aee7bcd7a3d0bc9a99b9bc5d8fa2bc1f858bbcc3f568bc48e13abc"
+    "643b1fbc180416bccdcc0cbc819503bc6abcf4bbd34de2bb3bdfcfbba470bdbb0d02abbb749398bbdd2486bb8a6c67bb"
+    "5c8f42bb2db21dbbfca9f1ba9defa7baff6577ba3ee859ba806a3cbac1ec1eba016f01ba83e2c7b905e78cb90bd723b9"
+    "4b1fbab8b3ef8ab8348037b80642b2b7ff0502b7941a5ab6b7a313b500000000b7a31335941a5a36ff0502370642b237"
+    "34803738b3ef8a384b1fba380bd7233905e78c3983e2c739016f013ac1ec1e3a806a3c3a3ee8593aff65773a9defa73a"
+    "fca9f13a2db21d3b5c8f423b8a6c673bdd24863b7493983b0d02ab3ba470bd3b3bdfcf3bd34de23b6abcf43b8195033c"
+    "cdcc0c3c1804163c643b1f3c48e13a3cc3f5683c1f858b3c5d8fa23c9a99b93cd7a3d03c15aee73c52b8fe3c48e10a3d"
+    "6766163d85eb213da3702d3dc3f5383de17a443d0000503d1f855b3d3d0a673d5d8f723d7b147e3dcdcc843d5d8f8a3d"
+    "eb51903d7b14963d0ad79b3d9a99a13d2a5ca73db81ead3d48e1b23dd7a3b83d6766be3df728c43d85ebc93d3433db3d"
+    "0000f83d66660a3ecdcc183e3333273e9a99353e0000443e6666523ecdcc603e33336f3e99997d3e0000863e34338d3e"
+    "6666943e9a999b3ecccca23e0000aa3e3333b13e6666b83e9a99bf3eccccc63e0000ce3e3333d53e6666dc3e9a99e33e"
+    "ccccea3e0000f23e3233f93e3333003fcccc033f6666073f00000b3f9a990e3f3433123fcdcc153f6666193f00001d3f"
+    "9a99203f3433243fcdcc273f66662b3f00002f3f9a99323f3433363fcdcc393f66663d3f0000413f9a99443f3333483f"
+    "cdcc4b3f66664f3f0000533f9a99563f33335a3fcdcc5d3f6666613f0000653f9a99683f33336c3fcdcc6f3f6666733f"
+    "0000773f9a997a3f33337e3f0000803f"
+), dtype="<f4").astype(np.float32)
+NESTED_BLOCKSIZE = 256
+
+
+def double_quantize(absmax: np.ndarray) -> DoubleQuant:
+    """Second-level quantization of the block absmax, as bitsandbytes does it (FORMATS.md §2.4):
+    offset = mean(absmax); (absmax - offset) in blocks of 256, each scaled by its absmax and coded as
+    the nearest entry of the dynamic map."""
+    absmax = np.asarray(absmax, np.float32)
+    offset = np.float32(absmax.mean(dtype=np.float32))
+    x = (absmax - offset).astype(np.float32)
+    n = x.size
+    nb = -(-n // NESTED_BLOCKSIZE)
+    padded = np.zeros(nb * NESTED_BLOCKSIZE, np.float32)
+    padded[:n] = x
+    blocks = padded.reshape(nb, NESTED_BLOCKSIZE)
+    nested = np.abs(blocks).max(axis=1).astype(np.float32)
+    scaled = blocks / np.where(nested > 0, nested, np.float32(1))[:, None]
+    bounds = (DYNAMIC_MAP[:-1] + DYNAMIC_MAP[1:]) / 2
+    codes = np.searchsorted(bounds, scaled).astype(np.uint8).reshape(-1)[:n]
+    return DoubleQuant(codes=codes, nested_absmax=nested, nested_map=DYNAMIC_MAP.copy(), offset=offset,
+                       blocksize=NESTED_BLOCKSIZE)
+
 _STORAGE_NUMPY = {"U8": np.uint8, "I8": np.int8, "F16": np.float16, "BF16": np.uint16, "F32": np.float32,
                   "F64": np.float64}
 STORAGE_CODES = {"uint8": "U8", "int8": "I8", "float16": "F16", "bfloat16": "BF16", "float32": "F32",

@@ -214,8 +214,6 @@ def test_requantized_4bit_beats_round_to_nearest(tmp_path, name):
 
 
 @pytest.mark.parametrize("name, args, needle", [
-    ("llama-gptq-w8g128", ["--to", "bnb8"], "one scale per row"),
-    ("llama-bnb4-fp4", ["--to", "bnb8"], "fp4 codes are not integers"),
     ("llama-gptq-w4g64-asym", ["--to", "auto-round"], "auto_round:auto_awq"),
 ])
 def test_paths_not_written_yet_are_refused(tmp_path, name, args, needle):
@@ -229,6 +227,9 @@ def test_paths_not_written_yet_are_refused(tmp_path, name, args, needle):
     ("llama-bnb8", ["--to", "gptq", "--bits", "4", "--group-size", "128"], "8-bit codes become 4-bit"),
     ("llama-gptq-w8g128", ["--to", "gptq", "--group-size", "64"], "group size 128 becomes 64"),
     ("llama-gptq-w4g64-asym", ["--to", "gptq", "--sym"], "asymmetric zero points become symmetric"),
+    ("llama-gptq-w8g128", ["--to", "bnb8"], "bitsandbytes int8 holds 8-bit symmetric codes with one scale per "
+                                            "row; this module has 8-bit sym codes in groups of 128"),
+    ("llama-bnb4-fp4", ["--to", "bnb8"], "fp4 codes are not integers"),
 ])
 def test_other_lossy_paths_requantize_and_say_why(tmp_path, name, args, reason):
     report = json.loads(_convert(CHECKPOINTS / name, tmp_path / "o", *args, "--json").stdout)["components"][0]
@@ -308,3 +309,26 @@ def test_requantized_bnb4_runs_in_bitsandbytes(tmp_path, name, to):
         {k[: -len(".weight.absmax")] for k in _tensors(out) if k.endswith(".weight.absmax")}
     _, ref = _logits(reference, ids)
     assert ((logits - ref).norm() / ref.norm()).item() < KERNEL_TOLERANCE
+
+
+def test_new_double_quantization_is_read_by_bitsandbytes_as_written(tmp_path):
+    """qconv's own double quantization (for --double-quant on a source without it): bitsandbytes'
+    QuantState.from_dict + dequantize_4bit on the written tensors gives what qconv reads back."""
+    import bitsandbytes.functional as F
+    from bitsandbytes.functional import QuantState, create_dynamic_map
+    from qconv.formats.bnb_codec import DYNAMIC_MAP
+
+    assert np.array_equal(DYNAMIC_MAP.view(np.uint32), create_dynamic_map(signed=True).numpy().view(np.uint32))
+    out, deq = tmp_path / "dq", tmp_path / "deq"
+    report = json.loads(_convert(CHECKPOINTS / "llama-bnb4-fp4", out, "--to", "bnb4-fp4", "--double-quant",
+                                 "--json").stdout)["components"][0]
+    assert all(r["reason"] == "block absmax gets double-quantized" for r in report["layers"])
+    run_qconv("dequantize", "--dtype", "float16", out, deq, check=0)
+    written, ours = _tensors(out), _tensors(deq)
+    for module in ("model.layers.0.mlp.down_proj", "model.layers.1.self_attn.k_proj"):
+        prefix = module + ".weight."
+        state = {k[len(prefix):]: v for k, v in written.items() if k.startswith(prefix)}
+        qs = QuantState.from_dict(state, device=torch.device("cpu"))
+        assert qs.nested
+        theirs = F.dequantize_4bit(written[module + ".weight"], qs)
+        assert torch.equal(theirs, ours[module + ".weight"]), module
