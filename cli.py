@@ -117,16 +117,22 @@ def _convert_table(result: dict) -> str:
                                    "scales rounded", "shards", "GB written"])
     lines = [text]
     for c in result["components"]:
+        if "validation" in c:
+            v = c["validation"]
+            lines.append(f"validated {c['component']}: {v['layers']} layers match the source ({v['device']})")
+    for c in result["components"]:
         for r in c.get("layers", []):
             lines.append(f"  {c['component']}: {r['module']}: {r['reason']}: rel. error {r['rel_frobenius']:.4f}"
                          f" (round-to-nearest {r['rtn_rel_frobenius']:.4f}), max abs {r['max_abs']:.3g}")
     return "\n".join(lines) + f"\nwrote {result['destination']} in {result['seconds']:.1f} s"
 
 
-def _run_convert(src: Path, dst: Path, opts, overwrite: bool, max_shard_size: str, as_json: bool) -> int:
+def _run_convert(src: Path, dst: Path, opts, overwrite: bool, max_shard_size: str, as_json: bool,
+                 validate: bool) -> int:
     from .convert.convert import convert
 
-    result = convert(src, dst, opts, overwrite=overwrite, max_shard_size=_parse_size(max_shard_size))
+    result = convert(src, dst, opts, overwrite=overwrite, max_shard_size=_parse_size(max_shard_size),
+                     validate=validate)
     for comp in result["components"]:
         for w in comp["warnings"]:
             click.echo(f"qconv: warning: {comp['component']}: {w}", err=True)
@@ -140,7 +146,10 @@ _SCALE_DTYPE = click.option("--scale-dtype", type=click.Choice(["float16", "bflo
 _COMMON = [click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty."),
            click.option("--max-shard-size", default="5GB", show_default=True,
                         help="Largest output shard, e.g. 5GB, 500MB."),
-           click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")]
+           click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON."),
+           click.option("--validate", is_flag=True, help="Check every layer of the result against the "
+                        "source (qconv validate) before it is moved to DST; a failing result is never "
+                        "left at DST (exit 1).")]
 
 
 def _common(fn):
@@ -169,7 +178,7 @@ def _common(fn):
               help="bnb4 targets: storage dtype of the packed weight (default: the source's, else uint8).")
 @_common
 def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, double_quant, quant_storage,
-                overwrite, max_shard_size, as_json) -> int:
+                overwrite, max_shard_size, as_json, validate) -> int:
     """Rewrite SRC in another format at DST, keeping every integer code where the arithmetic allows
     (bnb8 <-> GPTQ 8-bit per-row symmetric, GPTQ v1 <-> v2 <-> auto-round). Where it does not (nf4/fp4
     to integers, other bits or group sizes, asym to sym) modules are requantized from the source's exact
@@ -180,7 +189,7 @@ def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, dou
 
     opts = Options(to, bits, group_size, sym, scale_dtype, int(blocksize) if blocksize else None,
                    double_quant, quant_storage)
-    return _run_convert(src, dst, opts, overwrite, max_shard_size, as_json)
+    return _run_convert(src, dst, opts, overwrite, max_shard_size, as_json, validate)
 
 
 @cli.command("bnb8-to-gptq", epilog=EXIT_CODES_HELP)
@@ -188,7 +197,7 @@ def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, dou
 @click.argument("dst", type=click.Path(path_type=Path))
 @_SCALE_DTYPE
 @_common
-def bnb8_to_gptq_cmd(src, dst, scale_dtype, overwrite, max_shard_size, as_json) -> int:
+def bnb8_to_gptq_cmd(src, dst, scale_dtype, overwrite, max_shard_size, as_json, validate) -> int:
     """Turn a bitsandbytes LLM.int8 checkpoint into GPTQ 8-bit, one scale per output row, symmetric:
     the layout vLLM's Marlin kernels run. Codes are kept exactly (q = CB + 128); scales are SCB / 127,
     stored as float16 unless --scale-dtype says otherwise (the only rounding, reported).
@@ -196,7 +205,66 @@ def bnb8_to_gptq_cmd(src, dst, scale_dtype, overwrite, max_shard_size, as_json) 
     from .convert.convert import Options
 
     return _run_convert(src, dst, Options("gptq", 8, -1, True, scale_dtype), overwrite, max_shard_size,
-                        as_json)
+                        as_json, validate)
+
+
+VALIDATE_HELP = """\b
+Pass criterion per layer, without --tol: every output channel c satisfies
+  ||Y_A[:,c] - Y_B[:,c]|| <= (eps + in * 2^-23) * || |X| |W_A[c]|^T ||,
+the bound for weights differing by at most eps relative per element: eps is 0
+when both sides store scales alike (any difference is a defect), else the
+rounding of the coarser side's scales (float16 2^-11, bfloat16 2^-8, float32
+2^-24); in * 2^-23 covers float32 accumulation. With --tol: relative
+Frobenius error <= tol (use it for lossy pairs).
+"""
+
+
+@cli.command("validate", epilog=VALIDATE_HELP + "\n" + EXIT_CODES_HELP.replace(
+    "1    the check failed (inspect --strict: warnings were found)", "1    a layer failed"))
+@click.argument("a", type=click.Path(path_type=Path))
+@click.argument("b", type=click.Path(path_type=Path))
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--tol", type=float, default=None, help="Relative Frobenius tolerance per layer (lossy pairs).")
+@click.option("--samples", type=click.IntRange(1, 4096), default=32, show_default=True,
+              help="Rows of the activation batch.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help='Print {"ok", "layers": [...]} as JSON.')
+def validate_cmd(a, b, device, tol, samples, seed, as_json) -> int:
+    """Check layer by layer that checkpoints A and B compute the same thing: the same seeded
+    activations through both sides' exact weights (and through bitsandbytes' own kernels where a side
+    is bitsandbytes), on the GPU when there is one. Modules on one side only are reported."""
+    from .validation import validate
+
+    result = validate(a, b, samples=samples, seed=seed, tol=tol, device=device)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(_validate_table(result))
+    return EXIT_OK if result["ok"] else EXIT_FAILED
+
+
+def _validate_table(result: dict) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for layer in result["layers"]:
+        if "problem" in layer:
+            rows.append((layer["module"], "FAIL", layer["problem"], "", "", "", ""))
+            continue
+        kernels = ", ".join(f"{k['kernel']} {k['rel_frobenius']:.1e}{'' if k['ok'] else ' FAIL'}"
+                            for k in layer.get("kernels", {}).values())
+        rows.append((layer["module"], "ok" if layer["ok"] else "FAIL", f"{layer['max_abs']:.3g}",
+                     f"{layer['rel_frobenius']:.2e}", f"{layer['cosine']:.8f}", layer["worst_channel"], kernels))
+    lines = [tabulate(rows, headers=["module", "result", "max abs", "rel. error", "cosine", "worst channel",
+                                     "own kernels"])]
+    for c in result["components"]:
+        for side in ("a", "b"):
+            if c[f"only_in_{side}"]:
+                lines.append(f"only in {side.upper()} ({c['component']}): {', '.join(c[f'only_in_{side}'])}")
+    failed = sum(not layer["ok"] for layer in result["layers"])
+    lines.append(f"{'OK' if result['ok'] else 'FAILED'}: {len(result['layers']) - failed}/{len(result['layers'])} "
+                 f"layers pass on {result['components'][0]['device'] if result['components'] else '-'}")
+    return "\n".join(lines)
 
 
 def _parse_size(text: str) -> int:

@@ -64,3 +64,9 @@ class OutputError(QconvError):
     """The destination cannot be written."""
 
     exit_code = EXIT_OUTPUT
+
+
+class ValidationFailed(QconvError):
+    """A converted result did not compute what its source computes."""
+
+    exit_code = EXIT_FAILED

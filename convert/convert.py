@@ -454,9 +454,39 @@ def _source_spec(comp, det: Detection, m: QuantModule, src_dtype: str) -> QuantS
     return QuantSpec("int", m.bits, group, sym, scale_dtype=m.details.get("scales_dtype") or "F16")
 
 
+def validation_tolerances(report: dict) -> dict[str, tuple]:
+    """Requantized layers are held to the weight error convert measured and reported; every other layer
+    to the bound its scale rounding implies (validation.py)."""
+    return {r["module"]: ("weights", r["rel_frobenius"]) for r in report.get("layers", [])}
+
+
+def check_results(written, *, samples: int = 32, seed: int = 0) -> list[dict]:
+    from ..errors import ValidationFailed
+    from ..formats.checkpoint import open_component
+    from ..validation import validate_components
+
+    results = []
+    for comp, out, report in written:
+        tolerances = validation_tolerances(report)
+        if "to" not in report:                           # float target: the dequantized weights
+            tolerances = None
+        result = validate_components(comp, open_component(out, comp.name), samples=samples, seed=seed,
+                                     tolerances=tolerances)
+        results.append(result)
+        failed = [r for r in result["layers"] if not r["ok"]]
+        if failed or result["only_in_a"] or result["only_in_b"]:
+            first = failed[0] if failed else None
+            detail = (f"{len(failed)} layers differ (first: {first['module']}, relative error "
+                      f"{first.get('rel_frobenius', float('nan')):.3g})" if first else
+                      f"modules missing from the result: {', '.join(result['only_in_a'] or result['only_in_b'])}")
+            raise ValidationFailed(f"validation failed, nothing written: {detail}", file=out)
+        report["validation"] = {"ok": True, "layers": len(result["layers"]), "device": result["device"]}
+    return results
+
+
 def convert(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
-            max_shard_size: int = DEFAULT_MAX_SHARD) -> dict:
+            max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False) -> dict:
     if opts.to not in TARGETS:
         raise ValueError(opts.to)
     return run(src, dst, lambda comp, out: convert_component(comp, out, opts, max_shard_size),
-               overwrite=overwrite)
+               overwrite=overwrite, check=check_results if validate else None)

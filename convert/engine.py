@@ -151,20 +151,21 @@ def write_component(comp: Component, out_dir: Path, tensors: list[OutTensor], co
 
 
 def run(src: Path, dst: Path, convert_component: Callable[[Component, Path], dict], *,
-        overwrite: bool) -> dict:
+        overwrite: bool, check: Callable[[list[tuple[Component, Path, dict]]], None] | None = None) -> dict:
     """Open SRC, convert each quantized component into a staged DST (a plain model folder is one
     component; a pipeline's unquantized components are copied as they are), then publish DST."""
     src, dst = Path(src), Path(dst)
     target = open_target(src)
     t0 = time.monotonic()
     with staged_output(src, dst, overwrite=overwrite) as tmp:
-        reports = []
+        reports, written = [], []
         if target.kind == "pipeline":
             done = set()
             for comp in target.components:
                 if detect(comp).method == "unquantized":
                     continue
                 reports.append(convert_component(comp, tmp / comp.name))
+                written.append((comp, tmp / comp.name, reports[-1]))
                 done.add(comp.name)
             for p in sorted(src.iterdir()):
                 if p.name in done:
@@ -175,5 +176,8 @@ def run(src: Path, dst: Path, convert_component: Callable[[Component, Path], dic
                     shutil.copyfile(p, tmp / p.name)
         else:
             reports.append(convert_component(target.components[0], tmp))
+            written.append((target.components[0], tmp, reports[-1]))
+        if check is not None:            # before the rename: a result that fails never reaches DST
+            check(written)
     return {"source": str(src), "destination": str(dst), "seconds": round(time.monotonic() - t0, 3),
             "components": reports}

@@ -1,13 +1,14 @@
 """Every reference checkpoint to every target, in-process: each conversion either succeeds or is one
 documented refusal; every output inspects clean (its config agrees with its tensors, no warnings) with
 exactly the source's quantized modules; its weights stay close to the producer's oracle (exactly the
-codes for lossless paths, and within the reported requantization error otherwise)."""
+codes for lossless paths, and within the reported requantization error otherwise); and every result
+validates against its source layer by layer (qconv validate's criteria, as convert --validate uses)."""
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from qconv.convert.convert import Options, convert
+from qconv.convert.convert import Options, check_results, convert
 from qconv.errors import UnsupportedFormat
 from qconv.formats.checkpoint import open_target
 from qconv.formats.detect import detect
@@ -31,6 +32,8 @@ def test_every_checkpoint_to_every_target(tmp_path, name, target):
         assert not out.exists()
         return
     result = convert(CHECKPOINTS / name, out, Options(target))
+    (validated,) = check_results([(open_target(CHECKPOINTS / name).components[0], out, result["components"][0])])
+    assert validated["ok"] and len(validated["layers"]) >= 14
     (report,) = inspect_path(out)["components"]
     assert report["method"] == TARGETS[target]
     expected = []
