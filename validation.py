@@ -16,9 +16,10 @@ instead relative Frobenius error of Y <= tol. For a layer that `convert --valida
 result's weights must differ from the source's by no more than the error convert measured and
 reported (a packing or zero-point defect adds to it); Y's metrics are reported alongside.
 
-Where bitsandbytes is installed, each bitsandbytes side's own kernel (LLM.int8 matmul with its outlier
-threshold, 4-bit matmul) runs on the same X too, and must agree with qconv's decoding within that
-kernel's own arithmetic, so validation is never only qconv's decoder checked against itself.
+Where the producing library is installed, each side's own kernel runs on the same X too (bitsandbytes'
+LLM.int8 matmul with its outlier threshold and its 4-bit matmul; auto-round's CPU kernel for GPTQ v1 and
+auto_round:auto_gptq) and must agree with qconv's decoding within that kernel's own arithmetic, so
+validation is never only qconv's decoder checked against itself.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from .formats.tensor_io import read_array, to_float32
 
 ULP = {"F16": 2.0**-11, "BF16": 2.0**-8, "F32": 2.0**-24, "F64": 2.0**-53}
 MAX_ROWS = 4096            # larger layers are checked on an evenly spaced subset of output rows
-KERNEL_TOLERANCE = {"bnb8": 0.05, "bnb4": 1e-4}   # LLM.int8 quantizes activations; 4-bit runs in fp32
+# LLM.int8 quantizes activations to int8 (1/127 steps); the 4-bit kernel computes in float32 here;
+# auto-round's torch kernel rounds the dequantized weight to float16 before the matmul (2^-11).
+KERNEL_TOLERANCE = {"bnb8": 0.05, "bnb4": 1e-4, "gptq": 2e-3}
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,34 @@ def _torch_device(device: str):
     return torch.device(device)
 
 
+def _auto_round_output(side: Side, e: Entry, x, rows):
+    """auto-round's CPU kernel (auto_round_extension torch_zp QuantLinear, what transformers loads GPTQ
+    v1 / auto_round:auto_gptq checkpoints with) on X; it reads v1 zero points as stored + 1."""
+    try:
+        import torch
+        from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
+    except ImportError:
+        return None
+    m, qc = e.module, side.det.qc or {}
+    from .formats.gptq_codec import zero_decoding
+    # Only what transformers + auto-round load: v1 zeros, fp16 scales, no act-order g_idx, and no
+    # GPTQModel `meta` (which that loader refuses).
+    if (zero_decoding(qc)[0] != "v1" or "meta" in qc or qc.get("desc_act") or m.bits not in (2, 3, 4, 8)
+            or m.details.get("scales_dtype") != "F16"):
+        return None
+    t = {k[len(m.name) + 1:]: torch.from_numpy(np.ascontiguousarray(read_array(side.comp.tensors[k])))
+         for k in m.weight_tensors + m.state_tensors}
+    layer = QuantLinear(m.bits, m.group_size if m.group_size and m.group_size > 0 else -1, m.in_features,
+                        m.out_features, bias=False)
+    layer.qweight, layer.qzeros, layer.scales = t["qweight"], t["qzeros"], t["scales"]
+    with torch.no_grad():
+        return layer(torch.from_numpy(x)).float().numpy()[:, rows]
+
+
 def _kernel_output(side: Side, e: Entry, x, rows):
     """The producing library's own kernel on X, where it is installed; None otherwise."""
+    if e.module is not None and e.module.family == "gptq":
+        return _auto_round_output(side, e, x, rows)
     if e.module is None or e.module.family not in ("bnb8", "bnb4"):
         return None
     try:
@@ -179,7 +208,8 @@ def compare(a: Side, b: Side, name: str, *, samples: int, seed: int, tol: float 
         ours = y.cpu().double().numpy()
         k_rel = float(np.linalg.norm(y_kernel - ours) / max(np.linalg.norm(ours), 1e-30))
         k_ok = k_rel <= KERNEL_TOLERANCE[e.module.family]
-        kernels[side_name] = {"kernel": e.module.family, "rel_frobenius": k_rel, "ok": k_ok}
+        kernel = {"gptq": "auto-round"}.get(e.module.family, e.module.family)
+        kernels[side_name] = {"kernel": kernel, "rel_frobenius": k_rel, "ok": k_ok}
         report["ok"] = report["ok"] and k_ok
     if kernels:
         report["kernels"] = kernels

@@ -35,8 +35,9 @@ def test_lossless_conversion_validates_with_kernel_cross_checks(tmp_path):
     assert code == 0 and result["ok"]
     quantized = [r for r in result["layers"] if r["module"].startswith("model.layers.")]
     assert len(quantized) == 14
-    for r in quantized:   # bitsandbytes' LLM.int8 matmul on the same activations, outliers included
+    for r in quantized:   # bitsandbytes' LLM.int8 matmul on A, auto-round's CPU kernel on B, same X
         assert r["kernels"]["a"]["kernel"] == "bnb8" and r["kernels"]["a"]["ok"]
+        assert r["kernels"]["b"]["kernel"] == "auto-round" and r["kernels"]["b"]["ok"]
         assert r["bound_ratio"] <= r["bound"] and r["cosine"] > 0.9999
 
 
@@ -123,3 +124,28 @@ def test_convert_validate_refuses_to_publish_a_wrong_result(tmp_path, monkeypatc
     monkeypatch.setattr(gptq_codec, "encode", real)
     result = convert(CHECKPOINTS / "llama-bnb8", tmp_path / "out", Options("gptq", 8, -1, True), validate=True)
     assert result["components"][0]["validation"]["ok"]
+
+
+def test_auto_round_kernel_cross_check(tmp_path):
+    out = tmp_path / "gptq"
+    run_qconv("convert", "--to", "gptq", CHECKPOINTS / "llama-autoround-w4g128-mixed8", out, check=0)
+    code, result, _ = _validate(CHECKPOINTS / "llama-autoround-w4g128-mixed8", out)
+    assert code == 0
+    quantized = [r for r in result["layers"] if r["module"].startswith("model.layers.")]
+    assert all(k["kernel"] == "auto-round" and k["ok"] and k["rel_frobenius"] < 2e-3
+               for r in quantized for k in r["kernels"].values())
+    assert all(len(r["kernels"]) == 2 for r in quantized)
+    assert all(r["max_abs"] == 0.0 for r in quantized)          # a repack: identical weights
+
+
+def test_gpu_check_script_runs_on_cpu():
+    """bin/gpu-check is for lent GPU machines; its logic is exercised here on the CPU, small."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    proc = subprocess.run([sys.executable, REPO / "benchmarks" / "gpu_check.py", "--device", "cpu", "--layers", "1"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("  ")]
+    assert len(lines) == 13 and all(line.startswith("  ok") for line in lines)
