@@ -42,6 +42,12 @@ class QconvError(Exception):
         return ": ".join(parts).replace("\n", " ")
 
 
+class UsageError(QconvError):
+    """The command line asks for something this machine cannot do (e.g. --device cuda without a GPU)."""
+
+    exit_code = EXIT_USAGE
+
+
 class InputNotFound(QconvError):
     """Nothing to read: the path is missing, empty, or holds no safetensors weights."""
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import InputNotFound
+from .errors import UsageError
 from .formats.checkpoint import Component, open_target
 from .formats.detect import Detection, detect
 from .formats.layout import QuantModule, natural_key
@@ -102,11 +102,11 @@ def _torch_device(device: str):
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise InputNotFound("--device cuda, but torch sees no CUDA device")
+        raise UsageError("--device cuda, but torch sees no CUDA device; use --device auto or cpu")
     return torch.device(device)
 
 
-def _auto_round_output(side: Side, e: Entry, x, rows):
+def _auto_round_output(side: Side, e: Entry, x, rows, device):
     """auto-round's CPU kernel (auto_round_extension torch_zp QuantLinear, what transformers loads GPTQ
     v1 / auto_round:auto_gptq checkpoints with) on X; it reads v1 zero points as stored + 1."""
     try:
@@ -121,19 +121,19 @@ def _auto_round_output(side: Side, e: Entry, x, rows):
     if (zero_decoding(qc)[0] != "v1" or "meta" in qc or qc.get("desc_act") or m.bits not in (2, 3, 4, 8)
             or m.details.get("scales_dtype") != "F16"):
         return None
-    t = {k[len(m.name) + 1:]: torch.from_numpy(np.ascontiguousarray(read_array(side.comp.tensors[k])))
+    t = {k[len(m.name) + 1:]: torch.from_numpy(np.ascontiguousarray(read_array(side.comp.tensors[k]))).to(device)
          for k in m.weight_tensors + m.state_tensors}
     layer = QuantLinear(m.bits, m.group_size if m.group_size and m.group_size > 0 else -1, m.in_features,
                         m.out_features, bias=False)
     layer.qweight, layer.qzeros, layer.scales = t["qweight"], t["qzeros"], t["scales"]
     with torch.no_grad():
-        return layer(torch.from_numpy(x)).float().numpy()[:, rows]
+        return layer(torch.from_numpy(x).to(device)).float().cpu().numpy()[:, rows]
 
 
-def _kernel_output(side: Side, e: Entry, x, rows):
-    """The producing library's own kernel on X, where it is installed; None otherwise."""
+def _kernel_output(side: Side, e: Entry, x, rows, device):
+    """The producing library's own kernel on X (on the validation device), where it is installed."""
     if e.module is not None and e.module.family == "gptq":
-        return _auto_round_output(side, e, x, rows)
+        return _auto_round_output(side, e, x, rows, device)
     if e.module is None or e.module.family not in ("bnb8", "bnb4"):
         return None
     try:
@@ -143,25 +143,26 @@ def _kernel_output(side: Side, e: Entry, x, rows):
     except ImportError:
         return None
     m = e.module
-    t = {k[len(m.name) + 1:]: torch.from_numpy(np.ascontiguousarray(read_array(side.comp.tensors[k])))
+    t = {k[len(m.name) + 1:]: torch.from_numpy(np.ascontiguousarray(read_array(side.comp.tensors[k]))).to(device)
          for k in m.weight_tensors + m.state_tensors}
-    xt = torch.from_numpy(x)
+    xt = torch.from_numpy(x).to(device)
     if m.family == "bnb8":
         state = bnb.MatmulLtState()
         state.CB, state.SCB, state.threshold, state.has_fp16_weights = t["weight"], t["SCB"].float(), 6.0, False
         y = bnb.matmul(xt.half(), t["weight"], state=state).float()
     else:
         qs = F.QuantState.from_dict({k[len("weight."):]: v for k, v in t.items() if k.startswith("weight.")},
-                                    device=torch.device("cpu"))
+                                    device=device)
         qs.dtype = torch.float32
         weight = t["weight"] if t["weight"].dtype == torch.uint8 else t["weight"]
         if weight.dtype == torch.int16:
             weight = weight.view(torch.bfloat16)
         y = bnb.matmul_4bit(xt, weight.t(), quant_state=qs).float()
-    return y.numpy()[:, rows]
+    return y.cpu().numpy()[:, rows]
 
 
-def compare(a: Side, b: Side, name: str, *, samples: int, seed: int, tol: float | None, device) -> dict:
+def compare(a: Side, b: Side, name: str, *, samples: int, seed: int, tol: float | tuple | None,
+            device) -> dict:
     import torch
 
     ea, eb = a.entries[name], b.entries[name]
@@ -202,7 +203,7 @@ def compare(a: Side, b: Side, name: str, *, samples: int, seed: int, tol: float 
               "cosine": cosine, "worst_channel": worst, "rows_checked": int(len(rows)), **criterion}
     kernels = {}
     for side_name, side, e, y in (("a", a, ea, ya), ("b", b, eb, yb)):
-        y_kernel = _kernel_output(side, e, x, rows)
+        y_kernel = _kernel_output(side, e, x, rows, device)
         if y_kernel is None:
             continue
         ours = y.cpu().double().numpy()
