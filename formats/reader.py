@@ -1,8 +1,7 @@
-"""Decode a component's quantized modules into QuantTensors, one module at a time."""
+"""Decode a component's quantized modules into QuantTensors, one module at a time (callers ask for
+the module they are about to write, so only one is decoded at once)."""
 
 from __future__ import annotations
-
-from typing import Iterator
 
 from . import bnb_codec, gptq_codec
 from .checkpoint import Component
@@ -33,9 +32,3 @@ def read_module(comp: Component, det: Detection, m: QuantModule, dtype: str) -> 
     if m.family == "bnb4":
         return bnb_codec.read_4bit(m, comp.tensors)
     return gptq_codec.read(m, comp.tensors, det.qc, dtype)
-
-
-def iter_modules(comp: Component, det: Detection, dtype: str) -> Iterator[tuple[QuantModule, QuantTensor]]:
-    """Stream: each quantized module decoded on demand; only one is alive at a time."""
-    for m in det.modules:
-        yield m, read_module(comp, det, m, dtype)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CHECKPOINTS, copy_checkpoint, run_qconv
+from conftest import CHECKPOINTS, run_qconv
 
 
 def _convert(src, dst, *args):

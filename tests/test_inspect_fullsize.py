@@ -5,7 +5,6 @@ only headers, and never import torch."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 

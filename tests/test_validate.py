@@ -2,7 +2,6 @@
 and only they are named, and bitsandbytes' own kernels are run as a cross-check."""
 
 import json
-import shutil
 
 import numpy as np
 import pytest
