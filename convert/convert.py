@@ -1,18 +1,18 @@
 """`qconv convert` and `qconv bnb8-to-gptq`: rewrite a checkpoint in another format through the
-canonical representation (``read_B`` then ``write_A``), keeping codes exactly wherever the arithmetic
-allows.
+canonical representation (read with the source's codec, write with the target's), keeping codes
+exactly wherever the arithmetic allows.
 
-Lossless paths implemented here (each module's integer codes are carried over unchanged):
+Lossless paths (each module's codes carried over unchanged):
 
 * bitsandbytes int8 -> GPTQ / auto-round 8-bit, one group per output row, symmetric:
   q = CB + 128, z = 128, s = SCB / 127 stored in --scale-dtype (the only rounding; reported per run);
-* GPTQ 8-bit, one group per row, symmetric -> bitsandbytes int8: CB = q - 128, SCB = s * 127 (exact
-  for fp16 or bf16 scales, so GPTQ -> bnb8 -> GPTQ is byte-identical);
-* GPTQ v1 <-> v2 <-> auto-round (auto_round:auto_gptq): the same codes, scales and zero points repacked,
-  zero points re-encoded one field at a time.
+* GPTQ 8-bit, one group per row, symmetric -> bitsandbytes int8: CB = q - 128, SCB recovered exactly
+  (_scb_from_scales), so both round trips are byte-identical;
+* GPTQ v1 <-> v2 <-> auto-round (auto_round:auto_gptq): codes, scales and zero points repacked, zero
+  points re-encoded one field at a time; bitsandbytes 4-bit repacks (storage dtype, double quant).
 
-Paths that need requantization (4-bit code books to integers, other bit widths or group sizes,
-asymmetric to symmetric) are refused with exit 5 for now rather than done badly.
+Every other path requantizes each module from the source's exact weights (requantize.py for integers,
+bnb_codec.quantize_4bit for nf4/fp4) and reports the error it adds next to round-to-nearest's.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ..errors import UnsupportedFormat
 from ..formats import gptq_codec
 from ..formats.checkpoint import Component
 from ..formats.detect import Detection, detect
-from ..formats.bnb_codec import STORAGE_CODES
+from ..formats.bnb_codec import STORAGE_CODES, encode_int8
 from ..formats.ir import QuantSpec, QuantTensor
 from ..formats.layout import QuantModule, natural_key
 from ..formats.reader import model_dtype, read_module
@@ -137,7 +137,7 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
 
 
 def _bnb4_target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component):
-    from ..formats.bnb_codec import CODEBOOKS, STORAGE_CODES
+    from ..formats.bnb_codec import CODEBOOKS
 
     qtype = BNB4_TARGETS[opts.to]
     same_book = src.scheme == qtype
@@ -205,12 +205,6 @@ class _ModuleCache:
         return self.value
 
 
-def _encode_bnb8(qt: QuantTensor) -> dict[str, tuple[str, np.ndarray]]:
-    return {"weight": ("I8", (qt.codes ^ 0x80).view(np.int8)),
-            "SCB": ("F32", np.ascontiguousarray(qt.scales.reshape(-1), dtype=np.float32)),
-            "weight_format": ("U8", np.zeros((), np.uint8))}
-
-
 def _encode_bnb4(source: QuantTensor, spec: QuantSpec, lossy: str | None, keep_dq: bool, want_dq: bool,
                  stats: Stats, m: QuantModule):
     from ..formats.bnb_codec import double_quantize, encode_4bit, quantize_4bit
@@ -266,7 +260,7 @@ def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, c
             qt = _retarget(source, spec, st)
         st.modules += 1
         if opts.to == "bnb8":
-            return _encode_bnb8(qt)
+            return encode_int8(qt)
         if qt.g_idx is not None and not with_g_idx:
             raise _refuse(m, comp, f"act-order g_idx cannot be stored in {opts.to}")  # planned as lossy
         tensors = gptq_codec.encode(qt, zero_encoding=spec.zero_encoding)

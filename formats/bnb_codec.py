@@ -142,6 +142,13 @@ STORAGE_CODES = {"uint8": "U8", "int8": "I8", "float16": "F16", "bfloat16": "BF1
                  "float64": "F64"}
 
 
+def encode_int8(qt: QuantTensor) -> dict[str, tuple[str, np.ndarray]]:
+    """LLM.int8 tensors from 8-bit symmetric per-row codes (zero point 128) with SCB scales."""
+    return {"weight": ("I8", (qt.codes ^ 0x80).view(np.int8)),
+            "SCB": ("F32", np.ascontiguousarray(qt.scales.reshape(-1), dtype=np.float32)),
+            "weight_format": ("U8", np.zeros((), np.uint8))}
+
+
 def quant_state_json(quant_type: str, blocksize: int, dtype: str, shape, nested_offset=None,
                      nested_blocksize: int = 256) -> bytes:
     """The packed quant_state exactly as bitsandbytes writes it: json.dumps of QuantState.as_dict's
