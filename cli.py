@@ -231,8 +231,9 @@ Frobenius error <= tol (use it for lossy pairs).
 @click.option("--json", "as_json", is_flag=True, help='Print {"ok", "layers": [...]} as JSON.')
 def validate_cmd(a, b, device, tol, samples, seed, as_json) -> int:
     """Check layer by layer that checkpoints A and B compute the same thing: the same seeded
-    activations through both sides' exact weights (and through bitsandbytes' own kernels where a side
-    is bitsandbytes), on the GPU when there is one. Modules on one side only are reported."""
+    activations through both sides' exact weights (and through the producer's own kernel where it is
+    installed: bitsandbytes int8 and 4-bit, auto-round's CPU kernel), on the GPU when there is one.
+    Modules on one side only are reported."""
     from .validation import validate
 
     result = validate(a, b, samples=samples, seed=seed, tol=tol, device=device)
