@@ -52,11 +52,12 @@ def _suggest_prefix(names, key: str) -> str:
 def _lint_bnb(qc: Mapping, modules: list[QuantModule], all_modules: set[str],
               comp: Component, warnings: list[str]) -> None:
     cfg = bnb.parse_config(qc)
-    if not isinstance(cfg["threshold"], float):
-        warnings.append(f"llm_int8_threshold is {cfg['threshold']!r}, not a float: transformers "
-                        f"raises TypeError when it loads this config (write {float(cfg['threshold'] or 6)!r})"
-                        if isinstance(cfg["threshold"], (int, float)) and not isinstance(cfg["threshold"], bool)
-                        else f"llm_int8_threshold is {cfg['threshold']!r}, not a float")
+    threshold = cfg["threshold"]
+    if not isinstance(threshold, float):
+        fix = (f" (write {float(threshold)!r})" if isinstance(threshold, int) and not isinstance(threshold, bool)
+               else "")
+        warnings.append(f"llm_int8_threshold is {threshold!r}, not a float: transformers raises TypeError "
+                        f"when it loads this config{fix}")
     skip = cfg["skip_modules"]
     quantized = [m.name for m in modules]
     if skip is not None and not isinstance(skip, list):

@@ -175,10 +175,8 @@ def _kernel_output(side: Side, e: Entry, x, k: int, device):
         qs = F.QuantState.from_dict({k[len("weight."):]: v for k, v in t.items() if k.startswith("weight.")},
                                     device=device)
         qs.dtype = torch.float32
-        weight = t["weight"] if t["weight"].dtype == torch.uint8 else t["weight"]
-        if weight.dtype == torch.int16:
-            weight = weight.view(torch.bfloat16)
-        y = bnb.matmul_4bit(xt, weight.t(), quant_state=qs).float()[:, :k]
+        # The packed bytes in whatever storage dtype they came in: bitsandbytes views them as uint8.
+        y = bnb.matmul_4bit(xt, t["weight"].t(), quant_state=qs).float()[:, :k]
     return y.cpu().numpy()
 
 

@@ -65,7 +65,6 @@ class Stats:
     scales: int = 0
     scales_rounded: int = 0
     max_scale_rel_error: float = 0.0
-    notes: list[str] = field(default_factory=list)
     layers: list[dict] = field(default_factory=list)       # requantized modules and their error
 
     def requantized(self, module: str, reason: str, source: str, target: str, err) -> None:
@@ -200,7 +199,7 @@ class _ModuleCache:
 
     def get(self, key, make):
         if key != self.key:
-            self.key, self.value = None, None
+            self.key, self.value = None, None       # drop the previous module before decoding the next
             self.value, self.key = make(), key
         return self.value
 
@@ -431,7 +430,7 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
             "max_scale_rel_error": stats.max_scale_rel_error,
             "max_rel_frobenius": max((r["rel_frobenius"] for r in layers), default=0.0),
             "sq_error_vs_rtn": round(sq / rtn, 4) if rtn else None, "layers": layers, **written,
-            "warnings": list(det.warnings) + stats.notes}
+            "warnings": list(det.warnings)}
 
 
 def _source_spec(comp, det: Detection, m: QuantModule, src_dtype: str) -> QuantSpec:

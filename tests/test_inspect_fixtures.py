@@ -4,6 +4,7 @@ producers themselves say (their oracles, their settings, and the model transform
 import ast
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -61,9 +62,8 @@ def test_modules_and_counts_match_the_producer_oracle(name):
         assert listed[module] == scheme, module
         expected_params[scheme] = expected_params.get(scheme, 0) + out * inp
     assert report["quantized_parameters"] == expected_params
-    for names in report["quantized_modules"].values():
-        assert names == sorted(names, key=lambda n: [int(p) if p.isdigit() else p
-                                                      for p in __import__("re").split(r"(\d+)", n)])
+    for names in report["quantized_modules"].values():          # natural order: layers.2 < layers.10
+        assert names == sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
 
 
 @pytest.mark.parametrize("name", ["llama-gptq-w2g128", "llama-gptq-w3g128", "llama-gptq-w4g128-actorder",
