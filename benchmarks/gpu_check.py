@@ -1,5 +1,11 @@
-"""The GPU check, for the occasions a CUDA machine is lent (CI never has one): `qconv validate` on CUDA
-over a lossless conversion of every reference checkpoint and over a generated ~1B-parameter model.
+"""The GPU check, for the occasions a CUDA machine is lent (CI never has one):
+
+1. validate's device dequantization is bit for bit the numpy reference, on every module of every
+   reference checkpoint (float32 subtract/multiply are exact on the GPU too; this proves it);
+2. `qconv validate` on CUDA over a lossless conversion of every reference checkpoint, with the
+   producers' own CUDA kernels cross-checked (bitsandbytes int8 / 4-bit, auto-round);
+3. the same over a generated ~1.1B-parameter model (every row checked), timed;
+4. one code changed in one layer of that model's conversion fails, and only that layer is named.
 
     bin/gpu-check                      (CUDA required; under 3 minutes on one GPU)
     python benchmarks/gpu_check.py --device cpu --layers 1      (a quick CPU smoke run, used by the tests)
@@ -12,12 +18,12 @@ installed. Exit 0 when everything validates, 1 otherwise, 2 when no GPU is there
 from __future__ import annotations
 
 import argparse
-import zlib
 import json
 import os
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +46,6 @@ def _generated_gptq8(folder: Path, layers: int, seed: int = 0) -> int:
     """A TinyLlama-shaped model of random GPTQ int8 per-row symmetric Linears (the layout bnb8-to-gptq
     writes), plus fp16 embeddings and norms, written with qconv's own writer. Returns parameters."""
     import numpy as np
-
     from qconv.convert.engine import OutTensor
     from qconv.formats import gptq_codec
     from qconv.formats.ir import QuantSpec, QuantTensor
@@ -98,6 +103,40 @@ def _generated_gptq8(folder: Path, layers: int, seed: int = 0) -> int:
     return params
 
 
+def _count_kernels(result: dict, runs: dict) -> None:
+    for layer in result["layers"]:
+        for k in layer.get("kernels", {}).values():
+            ran, errors = runs.setdefault(k["kernel"], [0, {}])
+            if k["ok"] is None:
+                errors[k["error"]] = errors.get(k["error"], 0) + 1
+            else:
+                runs[k["kernel"]][0] = ran + 1
+
+
+def _device_dequantization_exact(device: str) -> tuple[int, list[str]]:
+    import numpy as np
+    import torch
+    from qconv.formats.checkpoint import open_target
+    from qconv.formats.detect import detect
+    from qconv.formats.reader import model_dtype, read_module
+    from qconv.validation import dequantize_block
+
+    checked, wrong = 0, []
+    for src in sorted(p for p in (REPO / "fixtures" / "checkpoints").iterdir() if (p / "oracle").is_dir()):
+        for comp in open_target(src).components:
+            det = detect(comp)
+            for m in det.modules:
+                qt = read_module(comp, det, m, model_dtype(comp, det), contiguous=False)
+                ref = read_module(comp, det, m, model_dtype(comp, det)).dequantize()
+                out = qt.shape[0]
+                for r0, r1 in ((0, out), (1, min(out, 6))):
+                    got = dequantize_block(qt, r0, r1, torch.device(device)).cpu().numpy()
+                    checked += 1
+                    if not np.array_equal(got.view(np.uint32), np.ascontiguousarray(ref[r0:r1]).view(np.uint32)):
+                        wrong.append(f"{src.name}:{m.name}[{r0}:{r1}]")
+    return checked, wrong
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -114,7 +153,14 @@ def main() -> int:
     from qconv.validation import validate
 
     fixtures = REPO / "fixtures" / "checkpoints"
-    ok, rows = True, []
+    ok, rows, kernel_runs = True, [], {}
+    t0 = time.perf_counter()
+    checked, wrong = _device_dequantization_exact(args.device)
+    rows.append(("device dequantization == numpy, bit for bit (blocks)", "-", not wrong, checked,
+                 time.perf_counter() - t0))
+    ok &= not wrong
+    for label in wrong[:5]:
+        print(f"gpu-check: device dequantization differs: {label}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for src in sorted(p for p in fixtures.iterdir() if (p / "oracle").is_dir()):
@@ -127,6 +173,7 @@ def main() -> int:
             result = validate(src, out, device=args.device)
             rows.append((src.name, to, result["ok"], len(result["layers"]), time.perf_counter() - t0))
             ok &= result["ok"]
+            _count_kernels(result, kernel_runs)
         gen, back = tmp / "generated-gptq8", tmp / "generated-bnb8"
         t0 = time.perf_counter()
         params = _generated_gptq8(gen, args.layers)
@@ -134,13 +181,35 @@ def main() -> int:
         made = time.perf_counter() - t0
         t0 = time.perf_counter()
         result = validate(gen, back, device=args.device)
-        rows.append((f"generated {params / 1e9:.2f}B (made in {made:.0f} s)", "bnb8", result["ok"],
-                     len(result["layers"]), time.perf_counter() - t0))
+        _count_kernels(result, kernel_runs)
+        rows.append((f"generated {params / 1e9:.2f}B (made in {made:.0f} s), rows {result['components'][0]['rows']}",
+                     "bnb8", result["ok"], len(result["layers"]), time.perf_counter() - t0))
         ok &= result["ok"]
+        # One int8 code of one layer one step off: that layer, and only it, fails.
+        from qconv.formats.safetensors_header import read_header
+        bad_layer = "model.layers.0.mlp.down_proj"
+        for shard in back.glob("*.safetensors"):
+            info = read_header(shard).tensors.get(bad_layer + ".weight")
+            if info is not None:
+                with open(shard, "r+b") as f:
+                    f.seek(info.offset + 5007)
+                    byte = f.read(1)[0]
+                    f.seek(info.offset + 5007)
+                    f.write(bytes([(byte + 1) % 256]))
+        t0 = time.perf_counter()
+        result = validate(gen, back, device=args.device)
+        failed = [r["module"] for r in result["layers"] if not r["ok"]]
+        rows.append(("same, one code of one layer changed: fails, names it", "bnb8", failed == [bad_layer],
+                     len(result["layers"]), time.perf_counter() - t0))
+        ok &= failed == [bad_layer]
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)"
     print(f"qconv validate on {device}")
     for name, to, passed, layers, seconds in rows:
-        print(f"  {'ok  ' if passed else 'FAIL'} {name:45s} -> {to:9s} {layers:4d} layers  {seconds:6.1f} s")
+        print(f"  {'ok  ' if passed else 'FAIL'} {name:55s} -> {to:9s} {layers:4d} layers  {seconds:6.1f} s")
+    print("own kernels cross-checked:")
+    for kernel, (ran, errors) in sorted(kernel_runs.items()):
+        print(f"  {kernel:10s} ran on {ran} layers" + (f", could not run on {sum(errors.values())}: "
+                                                        + "; ".join(sorted(errors)) if errors else ""))
     return 0 if ok else 1
 
 

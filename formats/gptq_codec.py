@@ -60,7 +60,9 @@ def check_readable(qc: Mapping | None, where: TensorInfo) -> None:
 
 
 def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None,
-         dtype: str) -> QuantTensor:
+         dtype: str, *, contiguous: bool = True) -> QuantTensor:
+    """The module as a QuantTensor. contiguous=False leaves the codes as a transposed view of GPTQ's
+    [in, out] order (no host-side transposition, for a consumer that transposes on its device)."""
     qweight = tensors[m.name + ".qweight"]
     check_readable(qc, qweight)
     if m.problems:
@@ -72,7 +74,9 @@ def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None,
     encoding, word_carry = zero_decoding(qc)
     settings = (per_module_settings(qc, m.name) if qc else None) or {}
     groups = m.details["groups"]
-    codes = np.ascontiguousarray(unpack_int32(read_array(qweight), bits, axis=0).T)   # [out, in]
+    codes = unpack_int32(read_array(qweight), bits, axis=0).T                          # [out, in]
+    if contiguous:
+        codes = np.ascontiguousarray(codes)
     zeros_info, scales_info = tensors[m.name + ".qzeros"], tensors[m.name + ".scales"]
     zeros = _decode_zeros(read_array(zeros_info), bits, encoding, word_carry)[:, :out]
     scales = to_float32(read_array(scales_info), scales_info.dtype)

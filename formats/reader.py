@@ -26,9 +26,12 @@ def model_dtype(comp: Component, det: Detection) -> str:
     return "float16"
 
 
-def read_module(comp: Component, det: Detection, m: QuantModule, dtype: str) -> QuantTensor:
+def read_module(comp: Component, det: Detection, m: QuantModule, dtype: str, *,
+                contiguous: bool = True) -> QuantTensor:
+    """contiguous=False: codes may be a transposed view (GPTQ), for consumers that slice and
+    transpose on their own device."""
     if m.family == "bnb8":
         return bnb_codec.read_int8(m, comp.tensors, dtype)
     if m.family == "bnb4":
         return bnb_codec.read_4bit(m, comp.tensors)
-    return gptq_codec.read(m, comp.tensors, det.qc, dtype)
+    return gptq_codec.read(m, comp.tensors, det.qc, dtype, contiguous=contiguous)

@@ -146,5 +146,137 @@ def test_gpu_check_script_runs_on_cpu():
     proc = subprocess.run([sys.executable, REPO / "benchmarks" / "gpu_check.py", "--device", "cpu", "--layers", "1"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("  ")]
-    assert len(lines) == 13 and all(line.startswith("  ok") for line in lines)
+    lines = proc.stdout.splitlines()
+    results = [line for line in lines if line.startswith(("  ok", "  FAIL"))]
+    assert len(results) == 15 and all(line.startswith("  ok") for line in results)
+    kernels = lines[lines.index("own kernels cross-checked:") + 1:]
+    assert [k.split()[0] for k in kernels] == ["auto-round", "bnb4", "bnb8"]
+    assert not any("could not run" in k for k in kernels)
+
+
+def _bits(a):
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+def _device_cases():
+    """Every quantized module of every reference checkpoint, plus code-book blocks that straddle rows."""
+    from qconv.formats.bnb_codec import NF4
+    from qconv.formats.checkpoint import open_target
+    from qconv.formats.detect import detect
+    from qconv.formats.ir import QuantSpec, QuantTensor
+    from qconv.formats.reader import model_dtype, read_module
+
+    from conftest import QUANTIZED
+    for name in QUANTIZED:
+        for comp in open_target(CHECKPOINTS / name).components:
+            det = detect(comp)
+            for m in det.modules:
+                # validate reads GPTQ codes as a transposed view (transposed on its device)
+                yield (f"{name}:{m.name}", read_module(comp, det, m, model_dtype(comp, det)),
+                       read_module(comp, det, m, model_dtype(comp, det), contiguous=False))
+    rng = np.random.default_rng(0)
+    qt = QuantTensor(QuantSpec("nf4", 4, 64, True, codebook=tuple(NF4)), (7, 48), "float16",
+                     codes=rng.integers(0, 16, 7 * 48, dtype=np.uint8),
+                     scales=rng.uniform(0.1, 2, 6).astype(np.float32))
+    yield "nf4 [7, 48] in blocks of 64", qt, qt
+
+
+def test_device_dequantization_is_bit_exact():
+    """validate dequantizes on its device (torch); that must be the numpy reference path bit for bit, for
+    whole layers and for row blocks that start and end mid-group / mid-block."""
+    import torch
+
+    from qconv.validation import dequantize_block
+
+    cases = list(_device_cases())
+    assert len(cases) > 100 and any(not q.codes.flags.c_contiguous for _, _, q in cases)
+    kinds = set()
+    for label, qt, device_qt in cases:
+        out = qt.shape[0]
+        kinds.add((qt.spec.name, qt.g_idx is not None))
+        ref = qt.dequantize()
+        for r0, r1 in ((0, out), (1, min(out, 6)), (out // 2, out)):
+            got = dequantize_block(device_qt, r0, r1, torch.device("cpu")).numpy()
+            assert got.shape == (r1 - r0, qt.shape[1]), label
+            assert np.array_equal(_bits(got), _bits(ref[r0:r1])), (label, r0, r1)
+    assert {("int8", False), ("int4", True), ("int3", False), ("int2", False), ("nf4", False),
+            ("fp4", False)} <= kinds
+
+
+@pytest.fixture(scope="module")
+def large_model(tmp_path_factory):
+    """A generated TinyLlama-shaped decoder layer (GPTQ int8, qconv's bnb8-to-gptq layout) whose MLP
+    layers have 5,632 output rows: above the 4,096 that sampled validation checks whole."""
+    import importlib.util
+
+    from conftest import REPO
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    folder = tmp_path_factory.mktemp("large") / "gptq8"
+    gpu_check._generated_gptq8(folder, 1)
+    return folder
+
+
+def test_rows_all_checks_every_row_and_sampled_rows_say_so(large_model, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(large_model, bad)
+    # One int8 code of output row 600 of gate_proj (qweight is [in / 4, out]: row 600 is column 600),
+    # a row between the sampled windows (0..511 and 704..1215).
+    shard = next(bad.glob("*.safetensors"))
+    tensor = "model.layers.0.mlp.gate_proj.qweight"
+    out = read_header(shard).tensors[tensor].shape[1]
+    _patch(shard, tensor, lambda raw: raw.view(np.int32).__setitem__(3 * out + 600, raw.view(np.int32)[3 * out + 600] ^ 0x100))
+
+    code, result, _ = _validate(large_model, bad, "--rows", "all")
+    assert code == 1 and [r["module"] for r in result["layers"] if not r["ok"]] == ["model.layers.0.mlp.gate_proj"]
+    bad_layer = next(r for r in result["layers"] if not r["ok"])
+    assert bad_layer["worst_channel"] == 600 and bad_layer["rows_checked"] == 5632
+    assert result["components"][0]["rows"] == "all" and not any(r.get("sampled") for r in result["layers"])
+
+    # Sampled rows (the CPU default) miss it, and the report says which layers were sampled.
+    code, result, _ = _validate(large_model, bad, "--device", "cpu")
+    assert code == 0 and result["components"][0]["rows"] == "sampled"
+    sampled = sorted(r["module"] for r in result["layers"] if r.get("sampled"))
+    assert sampled == ["lm_head", "model.embed_tokens", "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
+    assert all(r["rows_checked"] == 4096 for r in result["layers"] if r.get("sampled"))
+    text = run_qconv("validate", "--device", "cpu", large_model, bad).stdout
+    assert "(4 large layers on sampled rows; --rows all checks every row)" in text
+
+
+def test_one_code_off_after_a_lossless_conversion_fails(large_model, tmp_path):
+    """GPTQ int8 (float16 scales) -> bnb int8 keeps the codes; the two sides store scales differently,
+    so weights may differ by float16 scale rounding, but not by one code step. One changed code among
+    5,632 inputs moves that output channel far less than the output-level bound allows: it is the
+    per-weight bound that names it."""
+    out = tmp_path / "bnb8"
+    run_qconv("convert", "--to", "bnb8", large_model, out, check=0)
+    code, result, _ = _validate(large_model, out)
+    assert code == 0 and all(r["weights_over_bound"] == 0 for r in result["layers"])
+    _patch(out / "model.safetensors", "model.layers.0.mlp.down_proj.weight",
+           lambda raw: raw.__setitem__(5007, (int(raw[5007]) + 1) % 256))
+    code, result, _ = _validate(large_model, out)
+    failed = [r for r in result["layers"] if not r["ok"]]
+    assert code == 1 and [r["module"] for r in failed] == ["model.layers.0.mlp.down_proj"]
+    assert failed[0]["weights_over_bound"] == 1 and failed[0]["first_weight_over_bound"] == [0, 5007]
+    assert failed[0]["bound_ratio"] < failed[0]["bound"]
+
+
+def test_a_kernel_that_cannot_run_is_reported_never_passed(monkeypatch):
+    """If a producer's kernel raises on this machine (say, no kernel image for a GPU), the layer rests on
+    the weight and output bounds, and the report and table say the cross-check did not run."""
+    from qconv import cli, validation
+
+    def unavailable(*args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device\ndetails")
+
+    monkeypatch.setattr(validation, "_kernel_output", unavailable)
+    result = validation.validate(CHECKPOINTS / "llama-bnb8", CHECKPOINTS / "llama-bnb8", device="cpu")
+    kernels = [k for r in result["layers"] for k in r.get("kernels", {}).values()]
+    assert result["ok"] and len(kernels) == 2 * 14
+    assert all(k["ok"] is None and "rel_frobenius" not in k for k in kernels)
+    assert {k["error"] for k in kernels} == {"RuntimeError: no kernel image is available for execution on the device"}
+    text = cli._validate_table(result)
+    assert "bnb8 could not run" in text and "warning: kernel cross-check could not run (bnb8: RuntimeError" in text
