@@ -4,8 +4,8 @@ where torch sees one, on CUDA.
 
     .venv/bin/python benchmarks/bench_validate.py [--samples 32]
 
-Prints figures only. `--rows sampled` (the CPU default) checks layers above 4,096 output rows on 8 evenly
-spread windows of 512 rows; `--rows all` (the GPU default) checks every row.
+Prints figures only. `--rows all` (the default) checks every output row; `--rows sampled` checks layers
+above 4,096 rows on 8 evenly spread windows of 512 rows.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=HERE / ".cache") as tmp:
         out = Path(tmp) / "gptq"
         subprocess.run([qconv, "bnb8-to-gptq", src, out], check=True, capture_output=True)
-        for device, mode in [("cpu", "sampled"), ("cpu", "all")] + [("cuda", "all")] * (len(devices) > 1):
+        for device, mode in [("cpu", "all"), ("cpu", "sampled")] + [("cuda", "all")] * (len(devices) > 1):
             t0 = time.perf_counter()
             proc = subprocess.run([qconv, "validate", "--device", device, "--rows", mode, "--samples",
                                    str(args.samples), src, out], capture_output=True, text=True)

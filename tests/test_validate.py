@@ -218,7 +218,7 @@ def large_model(tmp_path_factory):
     return folder
 
 
-def test_rows_all_checks_every_row_and_sampled_rows_say_so(large_model, tmp_path):
+def test_every_row_is_checked_and_sampled_rows_say_so(large_model, tmp_path):
     import shutil
 
     bad = tmp_path / "bad"
@@ -230,19 +230,19 @@ def test_rows_all_checks_every_row_and_sampled_rows_say_so(large_model, tmp_path
     out = read_header(shard).tensors[tensor].shape[1]
     _patch(shard, tensor, lambda raw: raw.view(np.int32).__setitem__(3 * out + 600, raw.view(np.int32)[3 * out + 600] ^ 0x100))
 
-    code, result, _ = _validate(large_model, bad, "--rows", "all")
+    code, result, _ = _validate(large_model, bad)                     # every row, by default
     assert code == 1 and [r["module"] for r in result["layers"] if not r["ok"]] == ["model.layers.0.mlp.gate_proj"]
     bad_layer = next(r for r in result["layers"] if not r["ok"])
     assert bad_layer["worst_channel"] == 600 and bad_layer["rows_checked"] == 5632
     assert result["components"][0]["rows"] == "all" and not any(r.get("sampled") for r in result["layers"])
 
-    # Sampled rows (the CPU default) miss it, and the report says which layers were sampled.
-    code, result, _ = _validate(large_model, bad, "--device", "cpu")
+    # Sampled rows (faster on a CPU) miss it, and the report says which layers were sampled.
+    code, result, _ = _validate(large_model, bad, "--rows", "sampled")
     assert code == 0 and result["components"][0]["rows"] == "sampled"
     sampled = sorted(r["module"] for r in result["layers"] if r.get("sampled"))
     assert sampled == ["lm_head", "model.embed_tokens", "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
     assert all(r["rows_checked"] == 4096 for r in result["layers"] if r.get("sampled"))
-    text = run_qconv("validate", "--device", "cpu", large_model, bad).stdout
+    text = run_qconv("validate", "--rows", "sampled", large_model, bad).stdout
     assert "(4 large layers on sampled rows; --rows all checks every row)" in text
 
 
