@@ -34,6 +34,7 @@ windows of 512 rows (faster on a CPU; the report marks those layers).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -286,27 +287,34 @@ def _kernel_output(kernel: str, m: QuantModule, raw: dict, X, k: int, device):
     return bnb.matmul_4bit(X, t["weight"].t(), quant_state=qs).float()[:, :k]
 
 
-@dataclass
-class _Prepared:
+@dataclass(frozen=True)
+class _Plan:
     name: str
-    blocks: list
+    blocks: list                        # (r0, r1) row blocks to compare
+    tol: float | tuple | None
+    kernels: dict                       # side -> the producer's kernel to cross-check, or None
+
+
+@dataclass(frozen=True, eq=False)
+class _Prepared:
+    plan: _Plan
     a: HostWeight
     b: HostWeight
     kernel_inputs: dict                 # side -> raw tensors for that side's own kernel
 
 
-def _prepare(a: Side, b: Side, name: str, blocks, kernels: dict) -> _Prepared:
+def _prepare(a: Side, b: Side, plan: _Plan) -> _Prepared:
     """Everything of one layer that the host must do (read, unpack): runs on worker threads, ahead of
     the device, so reading and decoding overlap the comparison of earlier layers."""
-    raw = {s: _kernel_inputs(side, side.entries[name]) for s, side in (("a", a), ("b", b)) if kernels.get(s)}
-    return _Prepared(name, blocks, a.host(name), b.host(name), raw)
+    raw = {s: _kernel_inputs(side, side.entries[plan.name]) for s, side in (("a", a), ("b", b))
+           if plan.kernels[s]}
+    return _Prepared(plan, a.host(plan.name), b.host(plan.name), raw)
 
 
-def compare(a: Side, b: Side, p: _Prepared, *, samples: int, seed: int, tol: float | tuple | None,
-            kernels: dict, device) -> dict:
+def compare(a: Side, b: Side, p: _Prepared, *, samples: int, seed: int, device) -> dict:
     import torch
 
-    name = p.name
+    name, tol, kernels = p.plan.name, p.plan.tol, p.plan.kernels
     ea, eb = a.entries[name], b.entries[name]
     inp = a.shape(name)[1]
     x = _activations(samples, inp, seed)
@@ -321,7 +329,7 @@ def compare(a: Side, b: Side, p: _Prepared, *, samples: int, seed: int, tol: flo
     max_abs, ratio, worst, worst_rel, rows_checked = 0.0, 0.0, 0, -1.0, 0
     over, first_over = 0, None
     report_kernels = {}
-    for bi, (r0, r1) in enumerate(p.blocks):
+    for bi, (r0, r1) in enumerate(p.plan.blocks):
         WA, WB = p.a.block(r0, r1, device), p.b.block(r0, r1, device)
         ya, yb = X @ WA.T, X @ WB.T
         diff = (ya - yb).double()
@@ -357,7 +365,7 @@ def compare(a: Side, b: Side, p: _Prepared, *, samples: int, seed: int, tol: flo
             # Kernels run on the first block (leading output channels; a multiple of 32 rows, so packed
             # zero points slice cleanly): on a CPU their cost, not the comparison's, dominates.
             for s, e, ours in (("a", ea, ya), ("b", eb, yb)):
-                if kernels.get(s):
+                if kernels[s]:
                     try:
                         y_kernel = _kernel_output(kernels[s], e.module, p.kernel_inputs[s], X, r1, device)
                     except Exception as exc:  # noqa: BLE001 - the library cannot run it here: said, never counted as a pass
@@ -393,22 +401,18 @@ def compare(a: Side, b: Side, p: _Prepared, *, samples: int, seed: int, tol: flo
     return report
 
 
+@contextlib.contextmanager
 def _highest_precision():
     """float32 matmuls in full float32 (no TF32 on CUDA), whatever the process had set; the previous
     setting is restored afterwards."""
-    import contextlib
-
     import torch
 
-    @contextlib.contextmanager
-    def cm():
-        before = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("highest")
-        try:
-            yield
-        finally:
-            torch.set_float32_matmul_precision(before)
-    return cm()
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def validate_components(ca: Component, cb: Component, *, samples: int = 32, seed: int = 0,
@@ -418,30 +422,25 @@ def validate_components(ca: Component, cb: Component, *, samples: int = 32, seed
 
     a, b = Side(ca), Side(cb)
     dev = _torch_device(device)
-    all_rows = rows == "all"
     common = sorted(set(a.entries) & set(b.entries), key=natural_key)
-    layers, jobs = [], []
+    results, plans = {}, []
     for name in common:
-        layer_tol = (tolerances or {}).get(name, tol)
         if a.shape(name) != b.shape(name):
-            layers.append({"module": name, "ok": False,
-                           "problem": f"shapes differ: {list(a.shape(name))} vs {list(b.shape(name))}"})
+            results[name] = {"module": name, "ok": False,
+                             "problem": f"shapes differ: {list(a.shape(name))} vs {list(b.shape(name))}"}
             continue
         out, inp = a.shape(name)
+        layer_tol = (tolerances or {}).get(name, tol)
         # A requantized layer is held to its whole-matrix weight error, so it is read whole.
-        blocks = row_blocks(out, inp) if all_rows or isinstance(layer_tol, tuple) else row_windows(out)
+        blocks = row_blocks(out, inp) if rows == "all" or isinstance(layer_tol, tuple) else row_windows(out)
         kernels = {s: _kernel_name(side, side.entries[name]) for s, side in (("a", a), ("b", b))}
-        jobs.append((name, blocks, kernels, layer_tol))
-        layers.append(None)
-    by_name = {}
+        plans.append(_Plan(name, blocks, layer_tol, kernels))
     with _highest_precision():
-        prepared = ordered(lambda job: _prepare(a, b, job[0], job[1], job[2]), jobs, depth=PREFETCH)
-        for (name, _, kernels, layer_tol), p in zip(jobs, prepared):
-            by_name[name] = compare(a, b, p, samples=samples, seed=seed, tol=layer_tol, kernels=kernels,
-                                    device=dev)
-    layers = [layer if layer is not None else by_name[name] for name, layer in zip(common, layers)]
+        for p in ordered(lambda plan: _prepare(a, b, plan), plans, depth=PREFETCH):
+            results[p.plan.name] = compare(a, b, p, samples=samples, seed=seed, device=dev)
+    layers = [results[name] for name in common]
     return {"component": ca.name, "ok": all(r["ok"] for r in layers), "device": str(dev),
-            "rows": "all" if all_rows else "sampled", "layers": layers,
+            "rows": "all" if rows == "all" else "sampled", "layers": layers,
             "only_in_a": sorted(set(a.entries) - set(b.entries), key=natural_key),
             "only_in_b": sorted(set(b.entries) - set(a.entries), key=natural_key)}
 

@@ -154,67 +154,37 @@ def test_gpu_check_script_runs_on_cpu():
     assert not any("could not run" in k for k in kernels)
 
 
-def _bits(a):
-    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+def _gpu_check():
+    """benchmarks/gpu_check.py, whose checks the tests run on the CPU."""
+    import importlib.util
 
-
-def _device_cases():
-    """Every quantized module of every reference checkpoint, plus code-book blocks that straddle rows."""
-    from qconv.formats.bnb_codec import NF4
-    from qconv.formats.checkpoint import open_target
-    from qconv.formats.detect import detect
-    from qconv.formats.ir import QuantSpec, QuantTensor
-    from qconv.formats.reader import model_dtype, read_module
-
-    from conftest import QUANTIZED
-    for name in QUANTIZED:
-        for comp in open_target(CHECKPOINTS / name).components:
-            det = detect(comp)
-            for m in det.modules:
-                # validate reads GPTQ codes as a transposed view (transposed on its device)
-                yield (f"{name}:{m.name}", read_module(comp, det, m, model_dtype(comp, det)),
-                       read_module(comp, det, m, model_dtype(comp, det), contiguous=False))
-    rng = np.random.default_rng(0)
-    qt = QuantTensor(QuantSpec("nf4", 4, 64, True, codebook=tuple(NF4)), (7, 48), "float16",
-                     codes=rng.integers(0, 16, 7 * 48, dtype=np.uint8),
-                     scales=rng.uniform(0.1, 2, 6).astype(np.float32))
-    yield "nf4 [7, 48] in blocks of 64", qt, qt
+    from conftest import REPO
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_device_dequantization_is_bit_exact():
     """validate dequantizes on its device (torch); that must be the numpy reference path bit for bit, for
-    whole layers and for row blocks that start and end mid-group / mid-block."""
-    import torch
-
-    from qconv.validation import dequantize_block
-
-    cases = list(_device_cases())
+    whole layers and for row blocks that start and end mid-group / mid-block (the same check gpu-check
+    runs on CUDA)."""
+    gpu_check = _gpu_check()
+    cases = list(gpu_check.device_cases())
     assert len(cases) > 100 and any(not q.codes.flags.c_contiguous for _, _, q in cases)
-    kinds = set()
-    for label, qt, device_qt in cases:
-        out = qt.shape[0]
-        kinds.add((qt.spec.name, qt.g_idx is not None))
-        ref = qt.dequantize()
-        for r0, r1 in ((0, out), (1, min(out, 6)), (out // 2, out)):
-            got = dequantize_block(device_qt, r0, r1, torch.device("cpu")).numpy()
-            assert got.shape == (r1 - r0, qt.shape[1]), label
-            assert np.array_equal(_bits(got), _bits(ref[r0:r1])), (label, r0, r1)
+    kinds = {(qt.spec.name, qt.g_idx is not None) for _, qt, _ in cases}
     assert {("int8", False), ("int4", True), ("int3", False), ("int2", False), ("nf4", False),
             ("fp4", False)} <= kinds
+    checked, wrong = gpu_check.device_mismatches("cpu")
+    assert wrong == [] and checked == 3 * len(cases)
 
 
 @pytest.fixture(scope="module")
 def large_model(tmp_path_factory):
     """A generated TinyLlama-shaped decoder layer (GPTQ int8, qconv's bnb8-to-gptq layout) whose MLP
     layers have 5,632 output rows: above the 4,096 that sampled validation checks whole."""
-    import importlib.util
-
-    from conftest import REPO
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
     folder = tmp_path_factory.mktemp("large") / "gptq8"
-    gpu_check._generated_gptq8(folder, 1)
+    _gpu_check()._generated_gptq8(folder, 1)
     return folder
 
 
