@@ -94,6 +94,8 @@ def dequantize_cmd(src: Path, dst: Path, dtype: str, overwrite: bool, max_shard_
     for comp in result["components"]:
         for w in comp["warnings"]:
             click.echo(f"qconv: warning: {comp['component']}: {w}", err=True)
+    for w in result.get("warnings", []):
+        click.echo(f"qconv: warning: {w}", err=True)
     click.echo(json.dumps(result, indent=2) if as_json else _summary_table(result))
     return EXIT_OK
 
@@ -136,6 +138,8 @@ def _run_convert(src: Path, dst: Path, opts, overwrite: bool, max_shard_size: st
     for comp in result["components"]:
         for w in comp["warnings"]:
             click.echo(f"qconv: warning: {comp['component']}: {w}", err=True)
+    for w in result.get("warnings", []):
+        click.echo(f"qconv: warning: {w}", err=True)
     click.echo(json.dumps(result, indent=2) if as_json else _convert_table(result))
     return EXIT_OK
 

@@ -20,12 +20,13 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from ..formats.checkpoint import PICKLE_SUFFIXES, QUANT_CONFIG_FILES, Component, open_target
+from ..errors import CorruptCheckpoint
+from ..formats.checkpoint import QUANT_CONFIG_FILES, Component, SourceRoot, is_pickle, open_target, plain_name
 from ..formats.detect import detect
-from ..formats.safetensors_header import FLOAT_DTYPES, TensorInfo
+from ..formats.safetensors_header import FLOAT_DTYPES, TensorInfo, open_regular
 from ..formats.safetensors_writer import ShardWriter, index_json, plan_shards
 from ..formats.tensor_io import convert_float, read_array
-from .staging import staged_output
+from .staging import staged_output, test_hook
 
 SLAB_BYTES = 4 << 20            # bytes of one slab of rows of a plain tensor
 DEFAULT_MAX_SHARD = 5 * 10**9   # transformers' default max_shard_size ("5GB")
@@ -102,18 +103,110 @@ def weights_base(comp: Component) -> str:
     return stem.split("-00")[0] if "-of-" in stem else stem
 
 
-def copy_other_files(src: Path, dst: Path) -> list[str]:
+# What is carried from SRC into DST besides the converted weights. Every file is copied by content
+# (never as a link) from a path SourceRoot.check accepted: a regular file inside SRC (or a blob of
+# the Hugging Face cache repository SRC is a snapshot of); a link out of SRC, a broken link, a FIFO,
+# socket or device is refused before anything is written. Pickles are never carried: each one left
+# out is named in the summary's warnings. Outputs are created with O_EXCL | O_NOFOLLOW, so nothing is
+# ever written through a link.
+
+@dataclass
+class CopyPlan:
+    files: list[tuple[Path, str]]            # (source file, path relative to the output folder)
+    folders: list[str]                       # relative output folders to create, parents first
+    left_out: list[str]                      # pickles not carried, relative to the source folder
+
+
+def _is_own_file(name: str) -> bool:
+    """Files of a converted folder that qconv writes itself (weights, index, config) or drops (the
+    stand-alone quant configs, replaced by config.json's)."""
+    return name == "config.json" or name.endswith((".safetensors", ".safetensors.index.json")) \
+        or name in QUANT_CONFIG_FILES
+
+
+def plan_other_files(folder: Path, root: SourceRoot | None = None) -> CopyPlan:
+    """The top-level files of a converted model folder to carry along (subfolders are not)."""
+    root = root or SourceRoot.of(folder)
+    plan = CopyPlan([], [], [])
+    for p in _listing(folder):
+        if _is_own_file(p.name):
+            continue
+        if is_pickle(p.name):
+            plan.left_out.append(p.name)
+        elif not p.is_dir() and root.check(p) == "file":
+            plan.files.append((p, p.name))
+    return plan
+
+
+def _plan_tree(folder: Path, rel: str, root: SourceRoot, plan: CopyPlan, seen: frozenset) -> None:
+    real = os.path.realpath(folder)
+    if real in seen:
+        raise CorruptCheckpoint("is a link to a folder that contains it (a loop); refusing to follow it",
+                                file=folder)
+    plan.folders.append(rel)
+    for p in _listing(folder):
+        sub = f"{rel}/{p.name}"
+        if is_pickle(p.name):
+            plan.left_out.append(sub)
+            continue
+        kind = root.check(p)
+        if kind == "dir":
+            _plan_tree(p, sub, root, plan, seen | {real})
+        elif kind == "file":
+            plan.files.append((p, sub))
+
+
+def plan_pipeline_copies(src: Path, root: SourceRoot, converted: set[str]) -> CopyPlan:
+    """Everything of a pipeline but its converted components: files and whole folders, by content."""
+    plan = CopyPlan([], [], [])
+    for p in _listing(src):
+        if p.name in converted:
+            continue
+        if is_pickle(p.name):
+            plan.left_out.append(p.name)
+            continue
+        kind = root.check(p)
+        if kind == "dir":
+            _plan_tree(p, p.name, root, plan, frozenset({os.path.realpath(src)}))
+        elif kind == "file":
+            plan.files.append((p, p.name))
+    return plan
+
+
+def _listing(folder: Path) -> list[Path]:
+    try:
+        return sorted(folder.iterdir())
+    except OSError as exc:
+        raise CorruptCheckpoint(f"cannot list the folder: {exc.strerror or exc}", file=folder) from None
+
+
+def copy_file(src: Path, dst: Path) -> None:
+    """Copy the content of regular file ``src`` to the new file ``dst`` (never through a link)."""
+    with open_regular(src) as fin:
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_CLOEXEC", 0), 0o666)
+        with os.fdopen(fd, "wb") as fout:
+            shutil.copyfileobj(fin, fout, 1 << 20)
+
+
+def carry(plan: CopyPlan, out: Path) -> None:
+    for rel in plan.folders:
+        os.mkdir(out / rel)
+    for src, rel in plan.files:
+        copy_file(src, out / rel)
+
+
+def copy_other_files(src: Path, dst: Path, root: SourceRoot | None = None) -> list[str]:
     """Every top-level file but the weights, the index, config.json (rewritten), stand-alone quant
     configs (replaced by config.json's) and pickles (never carried along)."""
-    copied = []
-    for p in sorted(src.iterdir()):
-        if p.name == "config.json" or p.suffix == ".safetensors" or p.name.endswith(".safetensors.index.json") \
-                or p.suffix in PICKLE_SUFFIXES or p.name in QUANT_CONFIG_FILES:
-            continue
-        if p.is_file():
-            shutil.copyfile(p, dst / p.name)
-            copied.append(p.name)
-    return copied
+    plan = plan_other_files(src, root)
+    carry(plan, dst)
+    return [rel for _, rel in plan.files]
+
+
+def _left_out_warning(names: list[str]) -> str:
+    return (f"left out {len(names)} pickle file(s), which qconv never carries into an output: "
+            f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''}")
 
 
 def write_component(comp: Component, out_dir: Path, tensors: list[OutTensor], config: dict | None,
@@ -134,6 +227,7 @@ def write_component(comp: Component, out_dir: Path, tensors: list[OutTensor], co
                     n = writer.write_tensor(name, by_name[name].chunks())
                     written += n
                     progress.advance(n)
+                    test_hook("tensor-written")
             except BaseException:
                 writer.abort()
                 raise
@@ -145,39 +239,51 @@ def write_component(comp: Component, out_dir: Path, tensors: list[OutTensor], co
         (out_dir / f"{weights_base(comp)}.safetensors.index.json").write_text(index)
     if config is not None:
         (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    copied = copy_other_files(comp.path, out_dir) if comp.path.is_dir() else []
+    carried = plan_other_files(comp.path, comp.root) if comp.path.is_dir() else CopyPlan([], [], [])
+    carry(carried, out_dir)
     return {"shards": [s.filename for s in shards], "tensors": len(tensors), "bytes_written": written,
-            "copied": copied}
+            "copied": [rel for _, rel in carried.files], "left_out": carried.left_out}
+
+
+def _output_folder(tmp: Path, comp: Component) -> Path:
+    """A pipeline component's output folder: a plain name, so it stays inside the staging folder."""
+    if not plain_name(comp.name):
+        raise CorruptCheckpoint(f"component {comp.name!r} is not a plain folder name; refusing to write "
+                                f"it", file=comp.path)
+    return tmp / comp.name
 
 
 def run(src: Path, dst: Path, convert_component: Callable[[Component, Path], dict], *,
         overwrite: bool, check: Callable[[list[tuple[Component, Path, dict]]], None] | None = None) -> dict:
     """Open SRC, convert each quantized component into a staged DST (a plain model folder is one
-    component; a pipeline's unquantized components are copied as they are), then publish DST."""
+    component; a pipeline's unquantized components are copied as they are), then publish DST.
+    Everything that will be read or copied is checked before DST is touched."""
     src, dst = Path(src), Path(dst)
     target = open_target(src)
     t0 = time.monotonic()
+    if target.kind == "pipeline":
+        todo = [c for c in target.components if detect(c).method != "unquantized"]
+        pipeline_plan = plan_pipeline_copies(src, target.root, {c.name for c in todo})
+    else:
+        todo, pipeline_plan = list(target.components), CopyPlan([], [], [])
+    for comp in todo:                        # refuse a bad file before any work, not after it
+        if comp.path.is_dir():
+            plan_other_files(comp.path, comp.root)
     with staged_output(src, dst, overwrite=overwrite) as tmp:
         reports, written = [], []
-        if target.kind == "pipeline":
-            done = set()
-            for comp in target.components:
-                if detect(comp).method == "unquantized":
-                    continue
-                reports.append(convert_component(comp, tmp / comp.name))
-                written.append((comp, tmp / comp.name, reports[-1]))
-                done.add(comp.name)
-            for p in sorted(src.iterdir()):
-                if p.name in done:
-                    continue
-                if p.is_dir():
-                    shutil.copytree(p, tmp / p.name, symlinks=True)
-                elif p.is_file():
-                    shutil.copyfile(p, tmp / p.name)
-        else:
-            reports.append(convert_component(target.components[0], tmp))
-            written.append((target.components[0], tmp, reports[-1]))
+        for comp in todo:
+            out = _output_folder(tmp, comp) if target.kind == "pipeline" else tmp
+            report = convert_component(comp, out)
+            if report.get("left_out"):
+                report.setdefault("warnings", []).append(_left_out_warning(report["left_out"]))
+            reports.append(report)
+            written.append((comp, out, report))
+        carry(pipeline_plan, tmp)
         if check is not None:            # before the rename: a result that fails never reaches DST
             check(written)
-    return {"source": str(src), "destination": str(dst), "seconds": round(time.monotonic() - t0, 3),
-            "components": reports}
+    result = {"source": str(src), "destination": str(dst), "seconds": round(time.monotonic() - t0, 3),
+              "components": reports}
+    if target.kind == "pipeline":
+        result["left_out"] = pipeline_plan.left_out
+        result["warnings"] = [_left_out_warning(pipeline_plan.left_out)] if pipeline_plan.left_out else []
+    return result

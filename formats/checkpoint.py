@@ -3,22 +3,102 @@
 Reads only JSON files and safetensors headers. The shard index is validated the way a loader would
 use it: shard names may not leave the folder, every shard must exist, and every tensor the index maps
 must be in the shard it names. Pickle weights (.bin/.pt/.pth/.ckpt) are never opened.
+
+Nothing outside SRC is read (``SourceRoot``): SRC itself may be a link, but every file or folder
+reached from it must resolve inside it, with one exception, the Hugging Face cache, whose snapshot
+files are links to ``../../blobs/<hash>``: when SRC lies in ``models--*/snapshots/<rev>``, links to
+regular files directly in that repository's ``blobs`` folder are read as the files they stand for.
+Anything else that resolves outside SRC, a dangling link, and anything that is not a regular file or
+folder (FIFO, socket, device) is refused with one line naming it, before it is opened. Pipeline
+component names from model_index.json must be plain folder names.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
 from ..errors import CorruptCheckpoint, InputNotFound
-from .safetensors_header import Header, TensorInfo, read_header
+from .safetensors_header import Header, TensorInfo, file_kind, open_regular, read_header
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".pk", ".joblib")
 QUANT_CONFIG_FILES = ("quantize_config.json", "quantization_config.json")
 MAX_JSON_BYTES = 64 << 20
+_HF_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
+
+
+def is_pickle(name: str) -> bool:
+    """A file name pickles are stored under (never opened, never carried into an output)."""
+    return os.path.splitext(name)[1].lower() in PICKLE_SUFFIXES
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+@dataclass(frozen=True)
+class SourceRoot:
+    """Where the files of one source may live: its folder (resolved), and the blob store of the
+    Hugging Face cache repository it is a snapshot of, if it is one."""
+
+    folder: Path
+    blobs: Path | None = None
+
+    @classmethod
+    def of(cls, path: str | os.PathLike) -> "SourceRoot":
+        real = Path(os.path.realpath(path))
+        for parent in real.parents:
+            if parent.name == "snapshots" and parent.parent.name.startswith(_HF_REPO_PREFIXES) \
+                    and (parent.parent / "blobs").is_dir():
+                return cls(real, parent.parent / "blobs")
+        return cls(real)
+
+    def allows_file(self, real: Path) -> bool:
+        return _inside(real, self.folder) or (self.blobs is not None and real.parent == self.blobs)
+
+    def check(self, path: Path, what: str | None = None) -> str | None:
+        """What ``path`` is, before anything reads or copies it: "file" (a regular file qconv may
+        read), "dir" (a folder inside SRC), or None (nothing there). Anything else is refused."""
+        prefix = f"{what} " if what else ""
+        try:
+            lst = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise CorruptCheckpoint(f"cannot read{' ' + what if what else ''}: {exc.strerror or exc}",
+                                    file=path) from None
+        link = stat.S_ISLNK(lst.st_mode)
+        real = Path(os.path.realpath(path))
+        try:
+            st = os.stat(path) if link else lst
+        except OSError:
+            raise CorruptCheckpoint(f"{prefix}is a link to {os.readlink(path)!r}, which does not exist "
+                                    f"(a broken or looping link)", file=path) from None
+        target = f"a link to {str(real)!r}, which is " if link else ""
+        if stat.S_ISDIR(st.st_mode):
+            if not _inside(real, self.folder):
+                how = f"is a link to {str(real)!r}," if link else f"resolves to {str(real)!r},"
+                raise CorruptCheckpoint(f"{prefix}{how} a folder outside the source folder; qconv reads "
+                                        f"nothing outside SRC", file=path)
+            return "dir"
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpoint(f"{prefix}is {target}{file_kind(st.st_mode)}, not a regular file; "
+                                    f"qconv reads only regular files", file=path)
+        if not self.allows_file(real):
+            raise CorruptCheckpoint(f"{prefix}is a link that resolves outside the source folder (to "
+                                    f"{str(real)!r}); qconv reads nothing outside SRC: copy the file "
+                                    f"in, or run qconv on the folder that holds it", file=path)
+        return "file"
+
+
+def plain_name(name: object) -> bool:
+    """A single folder name: not empty, not '.' or '..', no separator, no NUL."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+            and "\\" not in name and "\x00" not in name and not os.path.isabs(name))
 
 
 @dataclass(frozen=True)
@@ -34,6 +114,7 @@ class Component:
     side_configs: Mapping[str, Mapping] = field(default_factory=dict)  # quantize_config.json, ...
     index_file: Path | None = None
     warnings: tuple[str, ...] = ()
+    root: SourceRoot | None = None           # where its files may live (None: a single file)
 
     @property
     def bytes_on_disk(self) -> int:
@@ -45,14 +126,19 @@ class Target:
     path: Path
     kind: str                                # "model", "file" or "pipeline"
     components: tuple[Component, ...]
+    root: SourceRoot | None = None           # None for a single file
 
 
 def load_json(path: Path, *, what: str = "JSON file") -> object:
+    """Parse a JSON file: a regular file only (open_regular), and never more than MAX_JSON_BYTES read
+    whatever its size claims."""
     try:
-        size = path.stat().st_size
-        if size > MAX_JSON_BYTES:
-            raise CorruptCheckpoint(f"{what} is {size} bytes, larger than any real one", file=path)
-        return json.loads(path.read_bytes().decode("utf-8"))
+        with open_regular(path, what=what) as f:
+            raw = f.read(MAX_JSON_BYTES + 1)
+        if len(raw) > MAX_JSON_BYTES:
+            raise CorruptCheckpoint(f"{what} is over {MAX_JSON_BYTES} bytes, larger than any real one",
+                                    file=path)
+        return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         reason = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
         raise CorruptCheckpoint(f"{what} is not valid JSON ({reason})", file=path) from None
@@ -83,46 +169,57 @@ def open_target(path: str | os.PathLike) -> Target:
     if not path.is_dir():
         raise InputNotFound("not a regular file or folder", file=path)
 
+    root = SourceRoot.of(path)
     index = path / "model_index.json"
-    if index.is_file():
-        return Target(path, "pipeline", tuple(_open_pipeline(path, index)))
-    return Target(path, "model", (open_component(path, path.resolve().name or str(path)),))
+    if root.check(index, "model_index.json") == "file":
+        return Target(path, "pipeline", tuple(_open_pipeline(path, index, root)), root)
+    return Target(path, "model", (open_component(path, path.resolve().name or str(path), root),), root)
 
 
 _PICKLE_HINT = ("holds only pickle weights, which qconv never loads (unpickling runs arbitrary code); "
                 "convert them to safetensors with a tool you trust, then run qconv on the result")
 
 
-def _open_pipeline(root: Path, index: Path) -> list[Component]:
+def _open_pipeline(folder: Path, index: Path, root: SourceRoot) -> list[Component]:
     doc = _load_json_object(index, "model_index.json")
     components = []
     for key in sorted(doc):
         value = doc[key]
         if key.startswith("_") or not isinstance(value, list):
             continue
-        sub = root / key
-        if not sub.is_dir():
+        if not plain_name(key):
+            raise CorruptCheckpoint(f"component {key!r} is not a plain folder name inside the pipeline "
+                                    f"(no '/', '..' or absolute paths); refusing it", file=index)
+        sub = folder / key
+        if root.check(sub, "component folder") != "dir":
             continue
-        if _weight_files(sub) or _pickle_files(sub):
-            components.append(open_component(sub, key))
+        if _weight_files(sub, root) or _pickle_files(sub):
+            components.append(open_component(sub, key, root))
     if not components:
         raise InputNotFound("pipeline (model_index.json) has no component folder holding weights",
-                            file=root)
+                            file=folder)
     return components
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.suffix == ".safetensors" and p.is_file())
+def _listing(folder: Path) -> list[Path]:
+    try:
+        return sorted(folder.iterdir())
+    except OSError as exc:
+        raise CorruptCheckpoint(f"cannot list the folder: {exc.strerror or exc}", file=folder) from None
+
+
+def _weight_files(folder: Path, root: SourceRoot) -> list[Path]:
+    return [p for p in _listing(folder) if p.suffix == ".safetensors" and root.check(p) == "file"]
 
 
 def _pickle_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+    return [p for p in _listing(folder) if is_pickle(p.name) and p.is_file()]
 
 
-def _read_configs(folder: Path) -> tuple[dict | None, dict[str, dict]]:
+def _read_configs(folder: Path, root: SourceRoot) -> tuple[dict | None, dict[str, dict]]:
     config = None
     cfg_path = folder / "config.json"
-    if cfg_path.is_file():
+    if root.check(cfg_path) == "file":
         config = _load_json_object(cfg_path, "config.json")
         qc = config.get("quantization_config")
         if qc is not None and not isinstance(qc, dict):
@@ -131,12 +228,13 @@ def _read_configs(folder: Path) -> tuple[dict | None, dict[str, dict]]:
     side = {}
     for fname in QUANT_CONFIG_FILES:
         p = folder / fname
-        if p.is_file():
+        if root.check(p) == "file":
             side[fname] = _load_json_object(p, fname)
     return config, side
 
 
-def _check_shard_name(folder: Path, index_path: Path, shard: object, tensor: str) -> Path:
+def _check_shard_name(folder: Path, index_path: Path, shard: object, tensor: str,
+                      root: SourceRoot) -> Path:
     if not isinstance(shard, str) or not shard or "\x00" in shard:
         raise CorruptCheckpoint(f"weight_map entry names no valid shard ({shard!r})",
                                 file=index_path, tensor=tensor)
@@ -145,23 +243,25 @@ def _check_shard_name(folder: Path, index_path: Path, shard: object, tensor: str
         raise CorruptCheckpoint(f"weight_map points outside the folder ({shard!r}); refusing to "
                                 f"follow it", file=index_path, tensor=tensor)
     full = folder / candidate
-    try:
-        full.resolve().relative_to(folder.resolve())
-    except ValueError:
+    if not root.allows_file(Path(os.path.realpath(full))):
         raise CorruptCheckpoint(f"shard {shard!r} resolves outside the folder (a link?); refusing "
-                                f"to follow it", file=index_path, tensor=tensor) from None
-    if not full.is_file():
+                                f"to follow it", file=index_path, tensor=tensor)
+    if root.check(full, "shard") != "file":
         raise CorruptCheckpoint(f"weight_map names shard {shard!r}, which does not exist",
                                 file=index_path, tensor=tensor)
     return full
 
 
-def open_component(folder: Path, name: str) -> Component:
-    """Open one model folder: configs, shard index (if any) and every safetensors header."""
-    if not any(folder.iterdir()):
+def open_component(folder: Path, name: str, root: SourceRoot | None = None) -> Component:
+    """Open one model folder: configs, shard index (if any) and every safetensors header. ``root``:
+    where its files may live (default: the folder itself, or its Hugging Face cache repository)."""
+    root = root or SourceRoot.of(folder)
+    listing = _listing(folder)
+    if not listing:
         raise InputNotFound("folder is empty", file=folder)
-    config, side = _read_configs(folder)
-    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    config, side = _read_configs(folder, root)
+    indexes = [p for p in listing if p.name.endswith(".safetensors.index.json")
+               and root.check(p, "shard index") == "file"]
     warnings: list[str] = []
     index_path = None
     if indexes:
@@ -177,7 +277,7 @@ def open_component(folder: Path, name: str) -> Component:
         shard_of = {}
         for t, s in weight_map.items():
             if not isinstance(s, str) or s not in checked:
-                checked[s] = _check_shard_name(folder, index_path, s, t)
+                checked[s] = _check_shard_name(folder, index_path, s, t, root)
             shard_of[t] = checked[s]
         files = sorted(set(shard_of.values()))
         headers = {f: read_header(f) for f in files}
@@ -192,12 +292,12 @@ def open_component(folder: Path, name: str) -> Component:
         if unmapped:
             warnings.append(f"{len(unmapped)} tensors are in the shards but not in "
                             f"{index_path.name} (loaders ignore them), e.g. {unmapped[0]}")
-        stray = sorted(set(_weight_files(folder)) - set(files))
+        stray = sorted(set(_weight_files(folder, root)) - set(files))
         if stray:
             warnings.append(f"{len(stray)} safetensors files are not named by {index_path.name} "
                             f"(loaders ignore them): {', '.join(p.name for p in stray[:3])}")
     else:
-        files = _weight_files(folder)
+        files = _weight_files(folder, root)
         if not files:
             if _pickle_files(folder):
                 raise InputNotFound(_PICKLE_HINT, file=folder)
@@ -213,4 +313,4 @@ def open_component(folder: Path, name: str) -> Component:
                 tensors[t] = info
     return Component(name=name, path=folder, files=tuple(files), headers=headers, tensors=tensors,
                      config=config, side_configs=side, index_file=index_path,
-                     warnings=tuple(warnings))
+                     warnings=tuple(warnings), root=root)

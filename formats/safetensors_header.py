@@ -20,10 +20,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import BinaryIO, Mapping
 
 from ..errors import CorruptCheckpoint
 
@@ -90,6 +91,41 @@ class Header:
     tensors: Mapping[str, TensorInfo]   # in header order
 
 
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def file_kind(mode: int) -> str:
+    """What a st_mode describes, in words ("a FIFO (named pipe)", ...), for messages."""
+    return next((words for test, words in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: str | os.PathLike, *, what: str | None = None, buffering: int = -1) -> BinaryIO:
+    """Open ``path`` for reading only if it is a regular file (directly or through a link). A FIFO,
+    socket or device is refused before it is opened, and the check is repeated on the open descriptor
+    (opened with O_NONBLOCK, so even a FIFO swapped in meanwhile cannot block the open): a read can
+    neither hang on a pipe nor run without end on /dev/zero. Raises CorruptCheckpoint naming the file."""
+    prefix = f"{what} " if what else ""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpoint(f"{prefix}is {file_kind(st.st_mode)}, not a regular file; qconv reads "
+                                    f"only regular files", file=path)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise CorruptCheckpoint(f"cannot read{' ' + what if what else ''}: {exc.strerror or exc}",
+                                file=path) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpoint(f"{prefix}is {file_kind(st.st_mode)}, not a regular file; qconv reads "
+                                    f"only regular files", file=path)
+        return os.fdopen(fd, "rb", buffering=buffering)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _no_duplicate_keys(pairs):
     out = {}
     for key, value in pairs:
@@ -107,7 +143,7 @@ def read_header(path: str | os.PathLike) -> Header:
     """Parse and validate the header of one safetensors file. Reads 8 + N bytes, never tensor data."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
@@ -138,10 +174,14 @@ def read_header(path: str | os.PathLike) -> Header:
     if not isinstance(doc, dict):
         raise CorruptCheckpoint("header is JSON but not an object", file=path)
 
-    metadata = doc.pop("__metadata__", None) or {}
+    metadata = doc.pop("__metadata__", None)       # null is allowed (safetensors reads it as none)
+    if metadata is None:
+        metadata = {}
     if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise CorruptCheckpoint("__metadata__ must map strings to strings", file=path)
+        found = type(metadata).__name__ if not isinstance(metadata, dict) else "other values"
+        raise CorruptCheckpoint(f"__metadata__ must be an object mapping strings to strings (found "
+                                f"{found}); safetensors refuses this header", file=path)
 
     data_start = 8 + n
     data_size = size - data_start
@@ -213,7 +253,7 @@ def read_small_tensors(infos, limit: int = 1 << 20) -> dict[str, bytes]:
     for path, group in by_file.items():
         current = None
         try:
-            with open(path, "rb") as f:
+            with open_regular(path) as f:
                 for current in sorted(group, key=lambda i: i.offset):
                     f.seek(current.offset)
                     data = f.read(current.nbytes)
