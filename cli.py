@@ -5,6 +5,7 @@ one line on stderr and a documented exit code (errors.py). Heavy imports happen 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -53,11 +54,35 @@ def inspect_cmd(path: Path, as_json: bool, all_modules: bool, strict: bool) -> i
 
     result = inspect_path(path)
     if as_json:
-        click.echo(json.dumps(result, indent=2))
+        click.echo(_json(result))
     else:
         click.echo(render_text(result, all_modules=all_modules))
     has_warnings = any(c["warnings"] for c in result["components"])
     return EXIT_FAILED if strict and has_warnings else EXIT_OK
+
+
+def _json(result: dict) -> str:
+    """The --json document: strict JSON (RFC 8259 has no NaN or Infinity), so a non-finite number, which
+    only a failed check can produce, is written as null."""
+    return json.dumps(_finite(result), indent=2, allow_nan=False)
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _echo_warnings(result: dict) -> None:
+    for comp in result["components"]:
+        for w in comp["warnings"]:
+            click.echo(f"qconv: warning: {comp['component']}: {w}", err=True)
+    for w in result.get("warnings", []):
+        click.echo(f"qconv: warning: {w}", err=True)
 
 
 def _summary_table(result: dict) -> str:
@@ -91,12 +116,8 @@ def dequantize_cmd(src: Path, dst: Path, dtype: str, overwrite: bool, max_shard_
 
     result = dequantize(src, dst, dtype=None if dtype == "auto" else dtype, overwrite=overwrite,
                         max_shard_size=_parse_size(max_shard_size))
-    for comp in result["components"]:
-        for w in comp["warnings"]:
-            click.echo(f"qconv: warning: {comp['component']}: {w}", err=True)
-    for w in result.get("warnings", []):
-        click.echo(f"qconv: warning: {w}", err=True)
-    click.echo(json.dumps(result, indent=2) if as_json else _summary_table(result))
+    _echo_warnings(result)
+    click.echo(_json(result) if as_json else _summary_table(result))
     return EXIT_OK
 
 
@@ -135,12 +156,8 @@ def _run_convert(src: Path, dst: Path, opts, overwrite: bool, max_shard_size: st
 
     result = convert(src, dst, opts, overwrite=overwrite, max_shard_size=_parse_size(max_shard_size),
                      validate=validate)
-    for comp in result["components"]:
-        for w in comp["warnings"]:
-            click.echo(f"qconv: warning: {comp['component']}: {w}", err=True)
-    for w in result.get("warnings", []):
-        click.echo(f"qconv: warning: {w}", err=True)
-    click.echo(json.dumps(result, indent=2) if as_json else _convert_table(result))
+    _echo_warnings(result)
+    click.echo(_json(result) if as_json else _convert_table(result))
     return EXIT_OK
 
 
@@ -170,8 +187,9 @@ def _common(fn):
                                  "bfloat16", "float32"]),
               help="Target format.")
 @click.option("--bits", type=click.IntRange(2, 8), default=None, help="Target bits (default: the source's).")
-@click.option("--group-size", type=int, default=None, help="Target group size, -1 per output row "
-                                                            "(default: the source's).")
+@click.option("--group-size", type=int, default=None, callback=lambda ctx, param, v: _group_size(v),
+              help="Target group size, -1 per output row (default: the source's); must divide the "
+                   "in_features of every quantized module.")
 @click.option("--sym/--asym", default=None, help="Symmetric zero points (default: the source's).")
 @_SCALE_DTYPE
 @click.option("--blocksize", type=click.Choice(["32", "64", "128", "256", "512", "1024", "2048", "4096"]),
@@ -187,7 +205,8 @@ def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, dou
     (bnb8 <-> GPTQ 8-bit per-row symmetric, GPTQ v1 <-> v2 <-> auto-round). Where it does not (nf4/fp4
     to integers, other bits or group sizes, asym to sym) modules are requantized from the source's exact
     weights with a per-group error search, and each one's error is reported next to plain
-    round-to-nearest's. Float targets dequantize. Requantizing into bnb8 exits 5 (not yet).
+    round-to-nearest's. An unquantized SRC is quantized the same way, data-free: the Linears of its
+    numbered decoder stacks (4-bit, group 128, symmetric by default). Float targets dequantize.
     """
     from .convert.convert import Options
 
@@ -208,7 +227,7 @@ def bnb8_to_gptq_cmd(src, dst, scale_dtype, overwrite, max_shard_size, as_json, 
     """
     from .convert.convert import Options
 
-    return _run_convert(src, dst, Options("gptq", 8, -1, True, scale_dtype), overwrite, max_shard_size,
+    return _run_convert(src, dst, Options("gptq", 8, -1, True, scale_dtype, source="bnb8"), overwrite, max_shard_size,
                         as_json, validate)
 
 
@@ -233,21 +252,24 @@ With --tol: relative Frobenius error of Y <= tol (use it for lossy pairs).
 @click.option("--tol", type=float, default=None, help="Relative Frobenius tolerance per layer (lossy pairs).")
 @click.option("--samples", type=click.IntRange(1, 4096), default=32, show_default=True,
               help="Rows of the activation batch.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True)
 @click.option("--rows", type=click.Choice(["all", "sampled"]), default="all", show_default=True,
               help="Output rows checked: every one, or (sampled, faster on a CPU) layers above 4096 rows "
                    "on 8 evenly spread windows of 512 rows.")
+@click.option("--kernels", type=click.Choice(["sampled", "all"]), default="sampled", show_default=True,
+              help="Layers the producers' own kernels are cross-checked on: each distinct (format, kernel, "
+                   "shape) once plus 16 layers drawn with --seed, or every layer.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"ok", "layers": [...]} as JSON.')
-def validate_cmd(a, b, device, tol, samples, seed, rows, as_json) -> int:
+def validate_cmd(a, b, device, tol, samples, seed, rows, kernels, as_json) -> int:
     """Check layer by layer that checkpoints A and B compute the same thing: the same seeded
     activations through both sides' exact weights (and through the producer's own kernel where it is
     installed: bitsandbytes int8 and 4-bit, auto-round's CPU kernel), on the GPU when there is one.
     Modules on one side only are reported."""
     from .validation import validate
 
-    result = validate(a, b, samples=samples, seed=seed, tol=tol, device=device, rows=rows)
+    result = validate(a, b, samples=samples, seed=seed, tol=tol, device=device, rows=rows, kernels=kernels)
     if as_json:
-        click.echo(json.dumps(result, indent=2))
+        click.echo(_json(result))
     else:
         click.echo(_validate_table(result))
     return EXIT_OK if result["ok"] else EXIT_FAILED
@@ -276,6 +298,22 @@ def _validate_table(result: dict) -> str:
         for side in ("a", "b"):
             if c[f"only_in_{side}"]:
                 lines.append(f"only in {side.upper()} ({c['component']}): {', '.join(c[f'only_in_{side}'])}")
+    for side in ("a", "b"):
+        if result.get(f"components_only_in_{side}"):
+            lines.append(f"components only in {side.upper()}: {', '.join(result[f'components_only_in_{side}'])}")
+    if not result["layers"]:
+        lines.append("no layer in common: nothing was compared, which proves nothing")
+    for c in result["components"]:
+        where = f" ({c['component']})" if len(result["components"]) > 1 else ""
+        for k in c.get("kernels", []):
+            line = f"own kernel {k['kernel']} on {k['side'].upper()}{where}: checked {k['checked']} of {k['layers']} layers"
+            if k["mode"] == "sampled" and k["checked"] + k["could_not_run"] < k["layers"]:
+                line += f" (each shape once + a sample drawn with --seed {k['seed']}; --kernels all checks every layer)"
+            if k["could_not_run"]:
+                line += f", could not run on {k['could_not_run']}"
+            if k["failed"]:
+                line += f", {k['failed']} FAILED"
+            lines.append(line)
     errors = sorted({f"{k['kernel']}: {k['error']}" for layer in result["layers"]
                      for k in layer.get("kernels", {}).values() if k["ok"] is None})
     for error in errors:
@@ -288,6 +326,13 @@ def _validate_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _group_size(value: int | None) -> int | None:
+    if value is not None and value != -1 and value < 1:
+        raise click.BadParameter(f"{value} is not a group size: use -1 (one group per output row) or a "
+                                 f"positive number", param_hint="--group-size")
+    return value
+
+
 def _parse_size(text: str) -> int:
     units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "B": 1}
     t = text.strip().upper()
@@ -297,7 +342,7 @@ def _parse_size(text: str) -> int:
                 value = float(t[: -len(unit)])
             except ValueError:
                 break
-            if value > 0:
+            if math.isfinite(value) and value * factor >= 1:     # not nan, inf, 0 or negative
                 return int(value * factor)
             break
     raise click.BadParameter(f"{text!r} is not a size like 5GB or 500MB", param_hint="--max-shard-size")

@@ -16,10 +16,6 @@ from .formats.detect import METHOD_NAMES, detect
 from .formats.layout import QuantModule, module_of, natural_key
 from .formats.safetensors_header import DTYPES, FLOAT_DTYPES
 
-# Tensors that are quantization state wherever they appear (also when orphaned).
-# (".scales" is left out: unquantized models have parameters of that name.)
-_STATE_SUFFIXES = (".SCB", ".weight_format", ".qzeros", ".g_idx", ".weight.absmax",
-                   ".weight.quant_map", ".weight.nested_absmax", ".weight.nested_quant_map")
 MAX_EXAMPLES = 3
 
 
@@ -184,17 +180,16 @@ def inspect_component(comp: Component) -> dict:
 
     state = det.state_tensors
     claimed = det.claimed_tensors
-    orphans = [t for t in tensors if t not in claimed and t.endswith(_STATE_SUFFIXES)]
+    unscaled = [t for t in det.unaccounted if tensors[t].dtype == "I8" and t.endswith(".weight")
+                and module_of(t) + ".SCB" not in tensors]
+    if unscaled:
+        warnings.append(f"{len(unscaled)} int8 weights have no SCB scale tensor, so they cannot be "
+                        f"dequantized ({_examples(module_of(t) for t in unscaled)})")
+    orphans = [t for t in det.unaccounted if t not in unscaled]
     if orphans:
-        warnings.append(f"{len(orphans)} quantization-state tensors belong to no quantized module "
-                        f"({_examples(orphans)})")
+        warnings.append(f"{len(orphans)} quantization tensors belong to no quantized module "
+                        f"({_examples(orphans)}); qconv will not convert this folder")
         state |= set(orphans)
-    if cfg_method == "bnb8":
-        unscaled = [module_of(t) for t, i in tensors.items()
-                    if i.dtype == "I8" and t.endswith(".weight") and module_of(t) + ".SCB" not in tensors]
-        if unscaled:
-            warnings.append(f"{len(unscaled)} int8 weights have no SCB scale tensor, so they cannot be "
-                            f"dequantized ({_examples(unscaled)})")
 
     parameter_dtypes: dict[str, int] = defaultdict(int)
     tensor_dtypes: dict[str, int] = defaultdict(int)

@@ -12,7 +12,8 @@ Lossless paths (each module's codes carried over unchanged):
   points re-encoded one field at a time; bitsandbytes 4-bit repacks (storage dtype, double quant).
 
 Every other path requantizes each module from the source's exact weights (requantize.py for integers,
-bnb_codec.quantize_4bit for nf4/fp4) and reports the error it adds next to round-to-nearest's.
+bnb_codec.quantize_4bit for nf4/fp4) and reports the error it adds next to round-to-nearest's. An
+unquantized source is quantized the same way, data-free, from its float weights (_data_free_modules).
 """
 
 from __future__ import annotations
@@ -25,16 +26,17 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UnsupportedFormat
+from ..errors import CorruptCheckpoint, UnsupportedFormat, UsageError
 from ..formats import gptq_codec
 from ..formats.checkpoint import Component
-from ..formats.detect import Detection, detect
+from ..formats.detect import METHOD_NAMES, Detection
 from ..formats.bnb_codec import STORAGE_CODES, encode_int8
 from ..formats.ir import QuantSpec, QuantTensor
 from ..formats.layout import QuantModule, natural_key
-from ..formats.reader import model_dtype, read_module
-from ..formats.safetensors_header import FLOAT_DTYPES
-from ..formats.tensor_io import encode_float, to_float32
+from ..formats.packing import packed_length
+from ..formats.reader import model_dtype, read_module, require_decodable
+from ..formats.safetensors_header import DTYPES, FLOAT_DTYPES
+from ..formats.tensor_io import encode_float, read_array, to_float32
 from .dequantize import dequantize_component
 from .engine import DEFAULT_MAX_SHARD, OutTensor, passthrough, run, write_component
 from .requantize import requantize
@@ -56,6 +58,7 @@ class Options:
     blocksize: int | None = None        # bnb4 targets; None: the source's, else 64
     double_quant: bool | None = None    # bnb4 targets; None: the source's, else off
     quant_storage: str | None = None    # bnb4 targets; None: the source's, else uint8
+    source: str | None = None           # the only source method accepted (bnb8-to-gptq: "bnb8")
 
 
 @dataclass
@@ -82,6 +85,57 @@ class Stats:
         self.max_scale_rel_error = max(self.max_scale_rel_error, float(rel.max(initial=0.0)))
 
 
+@dataclass(frozen=True)
+class FloatSpec:
+    """What stands in for a QuantSpec when the source module is an unquantized float weight: the target
+    spec rules read only its scheme, name and (absent) group size."""
+    name: str                        # "float16", "bfloat16", "float32"
+    scheme: str = "float"
+    group_size: int | None = None
+
+
+@dataclass(frozen=True)
+class FloatWeight:
+    """An unquantized Linear weight to quantize data-free: the lossy encoders need only its spec,
+    shape, dtype and values."""
+    spec: FloatSpec
+    shape: tuple[int, int]
+    dtype: str
+    values: np.ndarray               # float32 [out, in]
+
+    def dequantize(self) -> np.ndarray:
+        return self.values
+
+
+_FLOAT_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
+_VISION = re.compile(r"(^|\.)(visual|vision[a-z_]*)(\.|$)")
+
+
+def _data_free_modules(comp: Component) -> list[QuantModule]:
+    """The Linears of an unquantized component that quantizers quantize: 2-D float16/bfloat16/float32
+    `.weight` tensors inside the numbered decoder stacks (model.layers.N...), as auto-round does by
+    default. Embeddings, lm_head and norms sit outside the stacks or are not 2-D; vision towers
+    (`visual`, `vision*` in the name) stay float, as auto-round leaves them for multimodal models."""
+    modules = []
+    for name in _linear_modules(comp):
+        info = comp.tensors[name + ".weight"]
+        if info.dtype in _FLOAT_NAMES and min(info.shape) > 0 and _block_prefix(name) \
+                and not _VISION.search(name) and "embed" not in name.rsplit(".", 1)[-1]:
+            out, inp = info.shape
+            modules.append(QuantModule(name, "float", _FLOAT_NAMES[info.dtype], DTYPES[info.dtype][0], out, inp,
+                                       (info.name,), (), details={"dtype": _FLOAT_NAMES[info.dtype]}))
+    return sorted(modules, key=lambda m: natural_key(m.name))
+
+
+def _read_float(comp: Component, m: QuantModule) -> FloatWeight:
+    info = comp.tensors[m.weight_tensors[0]]
+    values = to_float32(read_array(info), info.dtype)
+    if not np.all(np.isfinite(values)):
+        raise CorruptCheckpoint("holds non-finite weights (NaN or infinity); they cannot be quantized",
+                                file=info.file, tensor=info.name)
+    return FloatWeight(FloatSpec(m.scheme), (m.out_features, m.in_features), m.scheme, values)
+
+
 def _refuse(m: QuantModule, comp: Component, why: str) -> UnsupportedFormat:
     first = comp.tensors.get(m.weight_tensors[0]) if m.weight_tensors else None
     return UnsupportedFormat(why, file=first.file if first else None, tensor=m.name)
@@ -94,20 +148,32 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
                  act_order: bool) -> tuple[QuantSpec, str | None]:
     """The spec a module gets in the target, and why it must be requantized (None: codes are kept).
     Requantized defaults are what vLLM runs: symmetric, no act-order; a code-book source keeps its
-    block size as the group size when GPTQ kernels take it (32/64/128), else 128."""
+    block size as the group size when GPTQ kernels take it (32/64/128), else 128; a float source
+    (data-free) gets 4-bit, group 128. A group must divide the module's input features."""
     codebook = src.scheme != "int"
     if opts.to in BNB4_TARGETS:
         return _bnb4_target_spec(m, src, opts, comp)
+    where = comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else None
+    inp = m.in_features
     bits = opts.bits or (4 if codebook else src.bits)
     if opts.group_size is not None:
         group = opts.group_size
+        if group > inp:
+            raise UsageError(f"--group-size {group} is larger than the module's {inp} input features; use "
+                             f"--group-size -1 for one group per output row", tensor=m.name, file=where)
+        if group > 0 and inp % group:
+            raise UsageError(f"--group-size {group} does not divide the module's {inp} input features: "
+                             f"GPTQ kernels (vLLM's Marlin, auto-round's) take whole groups only; use a "
+                             f"divisor of {inp} or -1", tensor=m.name, file=where)
     elif codebook:
-        group = src.group_size if src.group_size in (32, 64, 128) else 128
+        group = _default_group(src.group_size, inp)
     else:
         group = src.group_size
     sym = (True if codebook else src.symmetric) if opts.sym is None else opts.sym
     reason = None
-    if codebook:
+    if src.scheme == "float":
+        reason = f"{src.name} weights quantized data-free (no calibration data)"
+    elif codebook:
         reason = f"{src.name} codes are not integers"
     elif bits != src.bits:
         reason = f"{src.bits}-bit codes become {bits}-bit"
@@ -126,13 +192,26 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
     if opts.to == "auto-round" and not sym:
         raise UnsupportedFormat("auto-round stores asymmetric integers as auto_round:auto_awq, a layout "
                                 "qconv does not write yet (its auto_gptq packing is loaded as symmetric); "
-                                "use --sym or --to gptq-v2", tensor=m.name,
-                                file=comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else None)
+                                "use --sym or --to gptq-v2", tensor=m.name, file=where)
+    try:                                     # qweight packs along in, qzeros along out
+        packed_length(inp, bits), packed_length(m.out_features, bits)
+    except ValueError as exc:
+        raise UnsupportedFormat(f"a {m.out_features} x {inp} module cannot be stored as {bits}-bit GPTQ "
+                                f"words: {exc}", tensor=m.name, file=where) from None
     scale_code = SCALE_CODES[opts.scale_dtype] if opts.scale_dtype else (
         "F16" if reason or src.scale_divisor != 1 else src.scale_dtype)
     spec = QuantSpec("int", bits, -1 if group <= 0 else group, sym, scale_dtype=scale_code,
                      zero_encoding="v2" if opts.to == "gptq-v2" else "v1")
     return spec, reason
+
+
+def _default_group(preferred: int | None, inp: int) -> int:
+    """The first of the source's block size and 128, 64, 32 that GPTQ kernels take and that divides the
+    module's input features; else one group per row."""
+    for group in (preferred, 128, 64, 32):
+        if group in (32, 64, 128) and inp % group == 0:
+            return group
+    return -1
 
 
 def _bnb4_target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component):
@@ -146,6 +225,8 @@ def _bnb4_target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Compo
     double = source_dq if opts.double_quant is None else opts.double_quant
     spec = QuantSpec(qtype, 4, blocksize, True, codebook=tuple(map(float, CODEBOOKS[qtype])),
                      scale_dtype="F32", storage=storage)
+    if src.scheme == "float":
+        return spec, f"{src.name} weights quantized data-free (no calibration data)"
     if not same_book:
         return spec, f"{src.name} codes become {qtype}"
     if blocksize != src.group_size:
@@ -241,9 +322,13 @@ def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, c
     want_dq = opts.to in BNB4_TARGETS and (opts.double_quant if opts.double_quant is not None else
                                            (source_dq and m.scheme == BNB4_TARGETS[opts.to]))
     weight_dtype = m.details.get("dtype") or src_dtype
+    # GPTQ targets always carry g_idx, as GPTQModel and AutoGPTQ write it (trivial, i // group, without
+    # act-order): loaders that expect it get real values, and GPTQ -> v2 -> GPTQ is byte-identical.
+    # auto-round's own writer stores none, so auto-round targets carry one only for act-order.
+    write_g_idx = with_g_idx or opts.to in ("gptq", "gptq-v2")
 
     def encoded(st: Stats = stats):
-        source = read_module(comp, det, m, src_dtype)
+        source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
         if opts.to in BNB4_TARGETS:
             return _encode_bnb4(source, spec, lossy, keep_dq, want_dq, st, m)
         if lossy and spec.scale_divisor == 127:           # -> bnb int8: per-row 8-bit, then SCB = s * 127
@@ -263,7 +348,7 @@ def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, c
         if qt.g_idx is not None and not with_g_idx:
             raise _refuse(m, comp, f"act-order g_idx cannot be stored in {opts.to}")  # planned as lossy
         tensors = gptq_codec.encode(qt, zero_encoding=spec.zero_encoding)
-        if not with_g_idx:
+        if not write_g_idx:
             tensors.pop("g_idx")
         return tensors
 
@@ -308,7 +393,7 @@ def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, c
     tensors = [tensor("qweight", "I32", (inp * bits // 32, out)),
                tensor("qzeros", "I32", (groups, out * bits // 32)),
                tensor("scales", spec.scale_dtype, (groups, out))]
-    if with_g_idx:
+    if write_g_idx:
         tensors.append(tensor("g_idx", "I32", (inp,)))
     return tensors
 
@@ -391,9 +476,11 @@ def _quant_config(comp: Component, opts: Options, specs: dict[str, QuantSpec], d
 
 
 def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: int) -> dict:
-    det = detect(comp)
+    det = require_decodable(comp)
+    modules = _check_source(comp, det, opts)
     if opts.to in FLOAT_TARGETS:
         return dequantize_component(comp, out_dir, opts.to, max_shard)
+    claimed = det.claimed_tensors | {t for m in modules for t in m.weight_tensors}
     src_dtype = model_dtype(comp, det)
     stats, cache = Stats(), _ModuleCache()
     specs: dict[str, QuantSpec] = {}
@@ -402,7 +489,7 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
     desc_act = bool(src_cfg.get("desc_act")) and opts.to != "auto-round"
     source_act_order = bool(src_cfg.get("desc_act"))
     act_order_kept, lossy_of = [], {}
-    for m in det.modules:
+    for m in modules:
         src_spec = _source_spec(comp, det, m, src_dtype)
         act_order = source_act_order and m.details.get("has_g_idx", False)
         spec, lossy = _target_spec(m, src_spec, opts, comp, act_order)
@@ -414,12 +501,12 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
         for t in _module_outputs(comp, det, m, spec, opts, cache, stats, src_dtype, with_g_idx, lossy):
             outputs[t.name] = t
     for name, info in comp.tensors.items():
-        if name not in det.claimed_tensors:
+        if name not in claimed:
             outputs[name] = passthrough(info)
     plan = [outputs[k] for k in sorted(outputs, key=natural_key)]
     config = dict(comp.config) if comp.config is not None else {}
     double = {m.name: (opts.to in BNB4_TARGETS and not lossy_of[m.name] and m.details.get("double_quant", False)
-                       and opts.double_quant is not False) for m in det.modules}
+                       and opts.double_quant is not False) for m in modules}
     config["quantization_config"] = _quant_config(comp, opts, specs, bool(act_order_kept), double)
     written = write_component(comp, out_dir, plan, config, max_shard, f"converting {comp.name}")
     layers = sorted(stats.layers, key=lambda r: natural_key(r["module"]))
@@ -433,8 +520,28 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
             "warnings": list(det.warnings)}
 
 
+def _check_source(comp: Component, det: Detection, opts: Options) -> list[QuantModule]:
+    """The modules to convert: the source's quantized ones, or for an unquantized source, the Linears
+    to quantize data-free. Refused: a source of another method than the verb names (bnb8-to-gptq of a
+    GPTQ folder), and an unquantized one with no Linear in a decoder stack."""
+    where = comp.files[0] if comp.files else comp.path
+    if opts.source is not None and {m.family for m in det.modules} != {opts.source}:
+        raise UnsupportedFormat(f"is {det.method}, not {METHOD_NAMES[opts.source]}; this verb converts "
+                                f"only {METHOD_NAMES[opts.source]} checkpoints (use `qconv convert --to "
+                                f"{opts.to}` for other sources)", file=where)
+    if det.modules or opts.to in FLOAT_TARGETS:
+        return list(det.modules)
+    modules = _data_free_modules(comp)
+    if not modules:
+        raise UnsupportedFormat(f"has no quantized modules ({det.method}) and no float Linear weight in a "
+                                f"numbered decoder stack (model.layers.N...) to quantize", file=where)
+    return modules
+
+
 def _source_spec(comp, det: Detection, m: QuantModule, src_dtype: str) -> QuantSpec:
     """The source module's spec without decoding its data (from headers and config)."""
+    if m.family == "float":
+        return FloatSpec(m.scheme)
     if m.family == "bnb8":
         return QuantSpec("int", 8, -1, True, scale_divisor=127)
     if m.family == "bnb4":
@@ -467,11 +574,16 @@ def check_results(written, *, samples: int = 32, seed: int = 0) -> list[dict]:
                                      tolerances=tolerances)
         results.append(result)
         failed = [r for r in result["layers"] if not r["ok"]]
-        if failed or result["only_in_a"] or result["only_in_b"]:
-            first = failed[0] if failed else None
-            detail = (f"{len(failed)} layers differ (first: {first['module']}, relative error "
-                      f"{first.get('rel_frobenius', float('nan')):.3g})" if first else
-                      f"modules missing from the result: {', '.join(result['only_in_a'] or result['only_in_b'])}")
+        missing = result["only_in_a"] or result["only_in_b"]
+        if failed or missing or not result["layers"]:      # nothing compared proves nothing
+            if failed:
+                first = failed[0]
+                why = first["problem"] if "problem" in first else f"relative error {first['rel_frobenius']:.3g}"
+                detail = f"{len(failed)} layers differ (first: {first['module']}, {why})"
+            else:
+                detail = (f"modules missing from the result: {', '.join(missing)}" if missing else
+                          "no layer of the result could be compared with the source")
+            # `out` is the staging folder; staging names it as DST in the message
             raise ValidationFailed(f"validation failed, nothing written: {detail}", file=out)
         report["validation"] = {"ok": True, "layers": len(result["layers"]), "device": result["device"]}
     return results

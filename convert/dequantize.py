@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import CorruptCheckpoint
 from ..formats.checkpoint import Component
-from ..formats.detect import Detection, detect
+from ..formats.detect import Detection
 from ..formats.layout import QuantModule, natural_key
-from ..formats.reader import model_dtype, read_module
+from ..formats.reader import model_dtype, read_module, require_decodable
 from ..formats.tensor_io import FLOAT_CODES, encode_float
 from .engine import DEFAULT_MAX_SHARD, OutTensor, ordered, passthrough, run, write_component
 
@@ -35,12 +34,8 @@ def plan_component(comp: Component, det: Detection, code: str) -> list[OutTensor
     out = {m.name + ".weight": _dequantized(comp, det, m, code, src_dtype) for m in det.modules}
     claimed = det.claimed_tensors
     for name, info in comp.tensors.items():
-        if name in claimed:
-            continue
-        if name in out:
-            raise CorruptCheckpoint("a plain tensor has the name the dequantized weight needs",
-                                    file=info.file, tensor=name)
-        out[name] = passthrough(info, code)
+        if name not in claimed:          # require_decodable refused a plain weight in a module's place
+            out[name] = passthrough(info, code)
     return [out[k] for k in sorted(out, key=natural_key)]
 
 
@@ -61,7 +56,7 @@ def rewrite_config(config: dict, dtype: str) -> dict:
 
 
 def dequantize_component(comp: Component, out_dir: Path, dtype: str | None, max_shard: int) -> dict:
-    det = detect(comp)
+    det = require_decodable(comp)
     target = dtype or model_dtype(comp, det)
     plan = plan_component(comp, det, FLOAT_CODES[target])
     config = rewrite_config(dict(comp.config), target) if comp.config is not None else None

@@ -20,9 +20,9 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from ..errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint, UnsupportedFormat
 from ..formats.checkpoint import QUANT_CONFIG_FILES, Component, SourceRoot, is_pickle, open_target, plain_name
-from ..formats.detect import detect
+from ..formats.reader import require_decodable
 from ..formats.safetensors_header import FLOAT_DTYPES, TensorInfo, open_regular
 from ..formats.safetensors_writer import ShardWriter, index_json, plan_shards
 from ..formats.tensor_io import convert_float, read_array
@@ -262,7 +262,11 @@ def run(src: Path, dst: Path, convert_component: Callable[[Component, Path], dic
     target = open_target(src)
     t0 = time.monotonic()
     if target.kind == "pipeline":
-        todo = [c for c in target.components if detect(c).method != "unquantized"]
+        # every component is checked: a float one with stray quantization data is refused, not copied
+        todo = [c for c in target.components if require_decodable(c).method != "unquantized"]
+        if not todo:
+            raise UnsupportedFormat("no component of this pipeline is quantized; there is nothing to "
+                                    "convert or dequantize", file=src)
         pipeline_plan = plan_pipeline_copies(src, target.root, {c.name for c in todo})
     else:
         todo, pipeline_plan = list(target.components), CopyPlan([], [], [])

@@ -22,7 +22,7 @@ import signal
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import OutputError
+from ..errors import OutputError, QconvError
 
 try:
     import fcntl
@@ -268,11 +268,15 @@ def staged_output(src: Path, dst: Path, *, overwrite: bool):
         with _signals_held():
             shutil.rmtree(tmp, ignore_errors=True)
             _remove_parents(created)
+        def as_in_dst(where: str) -> str:        # name a file as it would have been in DST
+            return str(shown) + where[len(str(tmp)):] if where.startswith(str(tmp)) else where
+
         if isinstance(exc, OSError):
-            where = str(getattr(exc, "filename", None) or shown)
-            if where.startswith(str(tmp)):   # name the file as it would have been in DST
-                where = str(shown) + where[len(str(tmp)):]
+            where = as_in_dst(str(getattr(exc, "filename", None) or shown))
             raise OutputError(f"cannot write the output: {exc.strerror or exc}", file=where) from None
+        if isinstance(exc, QconvError) and exc.file:   # e.g. a failed --validate names the result
+            exc.file = as_in_dst(exc.file)
+            exc.args = (exc.message,)
         raise
     finally:
         _set_handlers(previous)

@@ -34,6 +34,7 @@ QS_PREFIX = ".weight.quant_state.bitsandbytes__"
 
 STATE_4BIT = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 WEIGHT_FORMATS = {0: "row", 1: "col32", 2: "col_turing", 3: "col_ampere"}
+FLOAT_NAMES = ("float16", "bfloat16", "float32")
 STORAGE_NAMES = {"U8": "uint8", "I8": "int8", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
                  "F64": "float64"}
 
@@ -59,6 +60,8 @@ def find_int8_modules(tensors: Mapping[str, TensorInfo]) -> list[QuantModule]:
             inp = weight.shape[1] if len(weight.shape) == 2 else 0
             if scb.shape != (out,):
                 problems.append(f"SCB has shape {list(scb.shape)}, expected [{out}] (one per output row)")
+        if scb.dtype != "F32":           # bitsandbytes keeps row stats in float32; others lose digits
+            problems.append(f"SCB is {scb.dtype}, expected float32")
         details = {}
         if fmt is not None:
             code = formats[fmt.name]
@@ -86,7 +89,27 @@ def parse_quant_state(info: TensorInfo, raw: bytes) -> dict:
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
         raise CorruptCheckpoint("bitsandbytes quant_state JSON lacks a positive blocksize or a shape",
                                 file=info.file, tensor=info.name)
-    return qs
+    # bitsandbytes writes these as an int, a float and a dtype name (FORMATS.md §2.1); anything else
+    # would be decoded into wrong numbers, so the JSON is refused as a whole.
+    nested_blocksize, offset, dtype = (qs.get(k) for k in ("nested_blocksize", "nested_offset", "dtype"))
+    if "nested_blocksize" in qs and (not isinstance(nested_blocksize, int) or isinstance(nested_blocksize, bool)
+                                     or nested_blocksize <= 0):
+        problem = f"nested_blocksize {nested_blocksize!r} is not a positive integer"
+    elif "nested_offset" in qs and (not isinstance(offset, (int, float)) or isinstance(offset, bool)
+                                    or not math.isfinite(offset)):
+        problem = f"nested_offset {offset!r} is not a finite number"
+    elif dtype not in FLOAT_NAMES:                      # bitsandbytes' from_dict needs it too
+        problem = (f"dtype {dtype!r} is not one of {', '.join(FLOAT_NAMES)}" if "dtype" in qs
+                   else "has no dtype (bitsandbytes cannot load it either)")
+    elif "nested_offset" in qs and qs.get("nested_dtype") != "float32":
+        # bitsandbytes writes float32 and decodes the nested absmax in nested_dtype; no other is written
+        problem = (f"nested_dtype {qs.get('nested_dtype')!r} is not 'float32', the only one bitsandbytes "
+                   f"writes" if "nested_dtype" in qs else "double quant without nested_dtype")
+    elif "nested_offset" in qs and "nested_blocksize" not in qs:
+        problem = "double quant without nested_blocksize (bitsandbytes cannot load it either)"
+    else:
+        return qs
+    raise CorruptCheckpoint(f"bitsandbytes quant_state JSON: {problem}", file=info.file, tensor=info.name)
 
 
 def find_4bit_modules(tensors: Mapping[str, TensorInfo]) -> list[QuantModule]:
@@ -123,15 +146,20 @@ def find_4bit_modules(tensors: Mapping[str, TensorInfo]) -> list[QuantModule]:
                 problems.append(f"missing {leaf} tensor")
         n_blocks = -(-n // blocksize)
         if absmax is not None:
-            if absmax.numel != n_blocks:
-                problems.append(f"absmax has {absmax.numel} entries; {n} weights in blocks of "
-                                f"{blocksize} need {n_blocks}")
+            if list(absmax.shape) != [n_blocks]:
+                problems.append(f"absmax has shape {list(absmax.shape)}; {n} weights in blocks of "
+                                f"{blocksize} need [{n_blocks}]")
             if double and absmax.dtype != "U8":
                 problems.append(f"double-quant absmax is {absmax.dtype}, expected uint8 codes")
             if not double and absmax.dtype != "F32":
                 problems.append(f"absmax is {absmax.dtype}, expected float32")
         if double and "nested_offset" not in qs:
             problems.append("double quant without nested_offset in the quant_state JSON")
+        quant_map = tensors.get(prefix + ".weight.quant_map")
+        if quant_map is not None and (quant_map.dtype != "F32" or list(quant_map.shape) != [16]):
+            problems.append(f"quant_map is {quant_map.dtype} {list(quant_map.shape)}, expected float32 [16]")
+        if double:
+            problems += _nested_problems(tensors, prefix, n_blocks, qs.get("nested_blocksize", 256))
         state = tuple(t for t in (name, *(prefix + ".weight." + s for s in STATE_4BIT)) if t in tensors)
         details = {"quant_type": qtype, "blocksize": blocksize, "double_quant": double,
                    "quant_storage": storage, "dtype": qs.get("dtype"), "quant_state": qs}
@@ -139,6 +167,26 @@ def find_4bit_modules(tensors: Mapping[str, TensorInfo]) -> list[QuantModule]:
                                    out, inp, (prefix + ".weight",) if weight is not None else (), state,
                                    group_size=blocksize, details=details, problems=tuple(problems)))
     return modules
+
+
+def _nested_problems(tensors: Mapping[str, TensorInfo], prefix: str, n_blocks: int,
+                     nested_blocksize: int) -> list[str]:
+    """Double quantization's state against what bitsandbytes writes: float32 nested absmax, one per
+    nested block of absmax codes, and the 256-entry float32 dynamic map."""
+    problems = []
+    nested = tensors.get(prefix + ".weight.nested_absmax")
+    if nested is not None:
+        need = -(-n_blocks // nested_blocksize)
+        if nested.dtype != "F32":
+            problems.append(f"nested_absmax is {nested.dtype}, expected float32")
+        if list(nested.shape) != [need]:
+            problems.append(f"nested_absmax has shape {list(nested.shape)}; {n_blocks} absmax codes in nested "
+                            f"blocks of {nested_blocksize} need [{need}]")
+    nested_map = tensors.get(prefix + ".weight.nested_quant_map")
+    if nested_map is not None and (nested_map.dtype != "F32" or list(nested_map.shape) != [256]):
+        problems.append(f"nested_quant_map is {nested_map.dtype} {list(nested_map.shape)}, expected "
+                        f"float32 [256]")
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from .ir import DoubleQuant, QuantSpec, QuantTensor
 from .layout import QuantModule
 from .packing import unpack_nibbles_high_first
 from .safetensors_header import TensorInfo
-from .tensor_io import read_array
+from .tensor_io import finite_scales, read_array
 
 # bitsandbytes' 4-bit code books, index -> value (get_4bit_type; FORMATS.md §2.3). Dequantization uses
 # these, as bitsandbytes' own kernels do, not the quant_map copy stored beside each weight.
@@ -27,59 +27,73 @@ CODEBOOKS = {"nf4": NF4, "fp4": FP4}
 
 
 def _module_error(m: QuantModule, tensors: Mapping[str, TensorInfo]):
-    first = tensors.get(m.weight_tensors[0]) if m.weight_tensors else None
-    return CorruptCheckpoint(m.problems[0] + "; cannot decode it",
-                             file=first.file if first else None, tensor=m.name)
+    return CorruptCheckpoint(m.problems[0] + "; cannot decode it", file=m.file(tensors), tensor=m.name)
 
 
-def read_int8(m: QuantModule, tensors: Mapping[str, TensorInfo], dtype: str) -> QuantTensor:
-    """LLM.int8: codes CB + 128 against zero point 128, scale SCB with divisor 127 (bnb's order)."""
+def check_int8(m: QuantModule, tensors: Mapping[str, TensorInfo]) -> None:
+    """Refuse, from headers, an LLM.int8 module read_int8 could not decode exactly."""
     fmt = m.details.get("weight_format")
-    weight_info = tensors.get(m.name + ".weight")
     if fmt not in (None, "row"):
         raise UnsupportedFormat(f"int8 weight_format is {fmt!r}: only row-major int8 weights can be "
                                 f"decoded (bitsandbytes >= 0.46 refuses the others too); reload and "
                                 f"re-save it with bitsandbytes <= 0.45 on CUDA to untile it",
-                                file=weight_info.file if weight_info else None, tensor=m.name)
+                                file=m.file(tensors), tensor=m.name)
     if m.problems:
         raise _module_error(m, tensors)
-    scb_info = tensors[m.name + ".SCB"]
+
+
+def read_int8(m: QuantModule, tensors: Mapping[str, TensorInfo], dtype: str) -> QuantTensor:
+    """LLM.int8: codes CB + 128 against zero point 128, scale SCB with divisor 127 (bnb's order)."""
+    check_int8(m, tensors)
+    weight_info, scb_info = tensors[m.name + ".weight"], tensors[m.name + ".SCB"]
     cb = read_array(weight_info)
-    scb = read_array(scb_info).astype(np.float32, copy=False)
-    if not np.all(np.isfinite(scb)) or np.any(scb < 0):
-        raise CorruptCheckpoint("SCB holds negative or non-finite row scales", file=scb_info.file,
-                                tensor=scb_info.name)
+    scb = finite_scales(read_array(scb_info), scb_info)
+    if np.any(scb < 0):
+        raise CorruptCheckpoint("SCB holds negative row scales", file=scb_info.file, tensor=scb_info.name)
     out = cb.shape[0]
     spec = QuantSpec("int", 8, -1, True, scale_divisor=127, scale_dtype=scb_info.dtype)
     return QuantTensor(spec, (out, cb.shape[1]), dtype, codes=(cb.view(np.uint8) ^ 0x80),
                        scales=scb.reshape(out, 1), zeros=np.full((out, 1), 128, dtype=np.uint8))
 
 
-def read_4bit(m: QuantModule, tensors: Mapping[str, TensorInfo]) -> QuantTensor:
+def check_4bit(m: QuantModule, tensors: Mapping[str, TensorInfo]) -> None:
+    """Refuse, from headers, a 4-bit module read_4bit could not decode exactly."""
     if m.problems:
         raise _module_error(m, tensors)
+    if m.scheme not in CODEBOOKS:
+        raise UnsupportedFormat(f"4-bit quant_type {m.scheme!r} is not nf4 or fp4",
+                                file=m.file(tensors), tensor=m.name)
+
+
+def read_4bit(m: QuantModule, tensors: Mapping[str, TensorInfo]) -> QuantTensor:
+    check_4bit(m, tensors)
     qs = m.details["quant_state"]
     qtype = m.scheme
-    if qtype not in CODEBOOKS:
-        raise UnsupportedFormat(f"4-bit quant_type {qtype!r} is not nf4 or fp4",
-                                file=tensors[m.name + ".weight"].file, tensor=m.name)
     n = m.out_features * m.in_features
     weight = tensors[m.name + ".weight"]
     codes = unpack_nibbles_high_first(read_array(weight), n)
     prefix = m.name + ".weight."
     double = None
     if m.details["double_quant"]:
+        nested, nested_map = tensors[prefix + "nested_absmax"], tensors[prefix + "nested_quant_map"]
         double = DoubleQuant(codes=read_array(tensors[prefix + "absmax"]).reshape(-1),
-                             nested_absmax=read_array(tensors[prefix + "nested_absmax"]).astype(np.float32),
-                             nested_map=read_array(tensors[prefix + "nested_quant_map"]).astype(np.float32),
+                             nested_absmax=finite_scales(read_array(nested), nested),
+                             nested_map=finite_scales(read_array(nested_map), nested_map),
                              offset=np.float32(qs["nested_offset"]),
-                             blocksize=int(qs.get("nested_blocksize", 256)))
+                             blocksize=qs.get("nested_blocksize", 256))
         absmax = double.decode()
     else:
-        absmax = read_array(tensors[prefix + "absmax"]).astype(np.float32).reshape(-1)
+        info = tensors[prefix + "absmax"]
+        absmax = finite_scales(read_array(info), info).reshape(-1)
+    dtype = qs["dtype"]
+    largest = float(np.abs(absmax).max(initial=0.0))     # |codebook| <= 1: the largest weight's size
+    if largest > float(np.finfo(np.float16).max) and dtype == "float16":
+        info = tensors[prefix + ("nested_absmax" if double is not None else "absmax")]
+        raise CorruptCheckpoint(f"absmax {largest:.3g} makes weights beyond float16's range, the "
+                                f"quant_state dtype (they would decode to infinity)", file=info.file,
+                                tensor=info.name)
     spec = QuantSpec(qtype, 4, m.group_size, True, codebook=tuple(float(v) for v in CODEBOOKS[qtype]),
                      scale_dtype="F32", storage=weight.dtype)
-    dtype = qs.get("dtype", "float16")
     return QuantTensor(spec, (m.out_features, m.in_features), dtype, codes=codes, scales=absmax,
                        double_quant=double)
 

@@ -9,9 +9,20 @@ from typing import Mapping
 from . import bnb, gptq
 from .checkpoint import Component
 from .layout import QuantModule, natural_key
+from .safetensors_header import TensorInfo
 
 METHOD_NAMES = {"bnb8": "bitsandbytes LLM.int8", "bnb4": "bitsandbytes 4-bit", "gptq": "GPTQ",
                 "auto-round": "auto-round", None: "unquantized"}
+DECODED_METHODS = frozenset(METHOD_NAMES) | {"bitsandbytes"}   # config methods qconv reads
+
+# Leaves only quantization writes: packed codes and their state, in bitsandbytes, GPTQ / AWQ,
+# compressed-tensors and fp8 checkpoints. One that no decoded module claims is data no writer can
+# account for; so is an integer Linear weight, which no float checkpoint stores.
+QUANT_LEAVES = (".qweight", ".qzeros", ".g_idx", ".SCB", ".CB", ".weight_format", ".weight.absmax",
+                ".weight.quant_map", ".weight.nested_absmax", ".weight.nested_quant_map",
+                ".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx",
+                ".weight_scale_inv", ".weight_global_scale")
+INTEGER_DTYPES = frozenset({"I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64"})
 
 
 @dataclass(frozen=True)
@@ -22,6 +33,7 @@ class Detection:
     method: str                      # report name ("bitsandbytes LLM.int8", "GPTQ", "unquantized", ...)
     modules: tuple[QuantModule, ...]
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    unaccounted: tuple[str, ...] = ()    # quantization tensors no module claims (unaccounted_tensors)
 
     @property
     def state_tensors(self) -> set[str]:
@@ -44,6 +56,15 @@ def config_method(qc: Mapping | None) -> str | None:
     if method is None and "bits" in qc:          # a bare AutoGPTQ quantize_config.json
         return "gptq"
     return str(method)
+
+
+def unaccounted_tensors(tensors: Mapping[str, TensorInfo], claimed: set[str]) -> tuple[str, ...]:
+    """Tensors that hold quantized data (QUANT_LEAVES, a bitsandbytes quant_state, an integer weight
+    matrix) but belong to no decoded module, in natural order."""
+    return tuple(sorted((n for n, info in tensors.items() if n not in claimed and (
+        n.endswith(QUANT_LEAVES) or ".weight.quant_state." in n
+        or (n.endswith(".weight") and len(info.shape) == 2 and info.dtype in INTEGER_DTYPES))),
+        key=natural_key))
 
 
 def quant_config(comp: Component, warnings: list[str]) -> tuple[dict | None, str | None]:
@@ -71,10 +92,12 @@ def detect(comp: Component) -> Detection:
         fallback = ((lambda name: (gptq.per_module_settings(qc, name) or {}).get("bits"))
                     if qc else None)
         modules += gptq.find_modules(tensors, fallback)
-    elif any(n.endswith(".qweight") for n in tensors):
+    modules.sort(key=lambda m: natural_key(m.name))
+    unaccounted = unaccounted_tensors(
+        tensors, {t for m in modules for t in m.weight_tensors + m.state_tensors})
+    if cfg_method not in DECODED_METHODS and unaccounted:
         warnings.append(f"quant_method {cfg_method!r} is not a format qconv decodes; its packed "
                         f"tensors are listed as stored, not as quantized modules")
-    modules.sort(key=lambda m: natural_key(m.name))
 
     families = {("auto-round" if m.family == "gptq" and cfg_method == "auto-round" else m.family)
                 for m in modules}
@@ -88,4 +111,4 @@ def detect(comp: Component) -> Detection:
         method = "unquantized"
     else:
         method = cfg_method  # a method qconv does not decode (awq, compressed-tensors, fp8, ...)
-    return Detection(qc, qc_source, cfg_method, method, tuple(modules), tuple(warnings))
+    return Detection(qc, qc_source, cfg_method, method, tuple(modules), tuple(warnings), unaccounted)

@@ -22,6 +22,7 @@ from .safetensors_header import DTYPES, TensorInfo
 
 STATE_LEAVES = ("qzeros", "scales", "g_idx")
 _WORD_DTYPES = {"I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64"}
+_SCALE_DTYPES = {"F16", "BF16", "F32"}
 
 
 def find_modules(tensors: Mapping[str, TensorInfo], fallback_bits=None) -> list[QuantModule]:
@@ -57,9 +58,11 @@ def find_modules(tensors: Mapping[str, TensorInfo], fallback_bits=None) -> list[
             problems.append(f"qzeros shape {list(qzeros.shape)} does not fit {out} output channels")
         if bits is None and fallback_bits is not None:
             bits = fallback_bits(prefix)
-        if not bits or not 1 <= bits <= 16:
+        if not bits:
             problems.append("cannot tell the bit width from the shapes or the config")
-            bits = bits or 0
+            bits = 0
+        elif not 2 <= bits <= 8:         # codes are decoded into uint8: a wider one would be truncated
+            problems.append(f"shapes imply {bits}-bit codes; GPTQ and auto-round pack 2- to 8-bit codes")
         inp = 0
         if bits and len(qweight.shape) == 2:
             if (qweight.shape[0] * word) % bits:
@@ -70,6 +73,10 @@ def find_modules(tensors: Mapping[str, TensorInfo], fallback_bits=None) -> list[
                 problems.append(f"qweight has {qweight.shape[1]} columns but scales has {out} outputs")
         if g_idx is not None and inp and g_idx.shape != (inp,):
             problems.append(f"g_idx has shape {list(g_idx.shape)}, expected [{inp}]")
+        for leaf, info, allowed in (("scales", scales, _SCALE_DTYPES), ("qzeros", qzeros, _WORD_DTYPES),
+                                    ("g_idx", g_idx, _WORD_DTYPES)):
+            if info is not None and info.dtype not in allowed:
+                problems.append(f"{leaf} is {info.dtype}, expected {' or '.join(sorted(allowed))}")
         group_size = None
         if groups:
             group_size = -1 if groups == 1 else (inp // groups if inp % groups == 0 else None)

@@ -12,7 +12,7 @@ from .ir import QuantSpec, QuantTensor
 from .layout import QuantModule
 from .packing import pack_int32, unpack_int32
 from .safetensors_header import TensorInfo
-from .tensor_io import encode_float, read_array, to_float32
+from .tensor_io import encode_float, finite_scales, read_array, to_float32
 
 def zero_decoding(qc: Mapping | None) -> tuple[str, bool]:
     """(zero encoding, word_carry) for a checkpoint's qzeros.
@@ -59,10 +59,8 @@ def check_readable(qc: Mapping | None, where: TensorInfo) -> None:
                                 file=where.file, tensor=where.name)
 
 
-def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None,
-         dtype: str, *, contiguous: bool = True) -> QuantTensor:
-    """The module as a QuantTensor. contiguous=False leaves the codes as a transposed view of GPTQ's
-    [in, out] order (no host-side transposition, for a consumer that transposes on its device)."""
+def check(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> None:
+    """Refuse, from headers and config, a module read could not decode exactly."""
     qweight = tensors[m.name + ".qweight"]
     check_readable(qc, qweight)
     if m.problems:
@@ -70,6 +68,14 @@ def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None,
     if qweight.dtype not in ("I32", "U32"):
         raise UnsupportedFormat(f"qweight packed in {qweight.dtype} words; qconv reads int32 packing",
                                 file=qweight.file, tensor=qweight.name)
+
+
+def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None,
+         dtype: str, *, contiguous: bool = True) -> QuantTensor:
+    """The module as a QuantTensor. contiguous=False leaves the codes as a transposed view of GPTQ's
+    [in, out] order (no host-side transposition, for a consumer that transposes on its device)."""
+    check(m, tensors, qc)
+    qweight = tensors[m.name + ".qweight"]
     bits, out, inp = m.bits, m.out_features, m.in_features
     encoding, word_carry = zero_decoding(qc)
     settings = (per_module_settings(qc, m.name) if qc else None) or {}
@@ -79,7 +85,7 @@ def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None,
         codes = np.ascontiguousarray(codes)
     zeros_info, scales_info = tensors[m.name + ".qzeros"], tensors[m.name + ".scales"]
     zeros = _decode_zeros(read_array(zeros_info), bits, encoding, word_carry)[:, :out]
-    scales = to_float32(read_array(scales_info), scales_info.dtype)
+    scales = finite_scales(to_float32(read_array(scales_info), scales_info.dtype), scales_info)
     g_idx = None
     if m.name + ".g_idx" in tensors:
         info = tensors[m.name + ".g_idx"]

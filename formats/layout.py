@@ -36,6 +36,14 @@ class QuantModule:
     def logical_parameters(self) -> int:
         return self.out_features * self.in_features
 
+    def file(self, tensors: Mapping):
+        """The file holding the module's weight (else its first state tensor), for messages: a module
+        whose weight is missing is still named with the file that holds the rest of it."""
+        for name in self.weight_tensors + self.state_tensors:
+            if name in tensors:
+                return tensors[name].file
+        return None
+
 
 _NUM = re.compile(r"(\d+)")
 

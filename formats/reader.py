@@ -1,15 +1,74 @@
 """Decode a component's quantized modules into QuantTensors, one module at a time (callers ask for
-the module they are about to write, so only one is decoded at once)."""
+the module they are about to write, so only one is decoded at once), and decide, once per component
+and before anything is written, whether it can be decoded at all (require_decodable)."""
 
 from __future__ import annotations
 
 from . import bnb_codec, gptq_codec
+from ..errors import CorruptCheckpoint, UnsupportedFormat
+from .bnb import FLOAT_NAMES
 from .checkpoint import Component
-from .detect import Detection
+from .detect import DECODED_METHODS, Detection, detect
 from .ir import QuantTensor
-from .layout import QuantModule
+from .layout import QuantModule, module_of
 
-FLOAT_NAMES = ("float16", "bfloat16", "float32")
+
+def require_decodable(comp: Component) -> Detection:
+    """The component's detection, or the refusal every writing verb (dequantize, convert, validate)
+    makes before it writes: a quant_method qconv does not decode is UnsupportedFormat; a module it
+    cannot decode exactly, a quantization tensor no module accounts for (which would be copied as a
+    plain weight), or a plain weight beside a module's packed one is CorruptCheckpoint (or
+    UnsupportedFormat for a layout qconv does not read). Data-level checks (non-finite scales) follow
+    when each module is read."""
+    det = detect(comp)
+    tensors = comp.tensors
+    if det.cfg_method not in DECODED_METHODS:
+        raise UnsupportedFormat(f"quant_method {det.cfg_method!r} is not a method qconv decodes (it reads "
+                                f"bitsandbytes int8 and 4-bit, GPTQ and auto-round); refusing to write it "
+                                f"as anything else", file=comp.path / det.qc_source)
+    packed = [m for m in det.modules if m.family == "gptq"]
+    if packed and det.qc is None:
+        first = tensors[packed[0].weight_tensors[0]]
+        raise CorruptCheckpoint("packed GPTQ codes, but neither config.json's quantization_config nor a "
+                                "quantize_config.json says how they were written (zero-point format, "
+                                "symmetry, bits); no loader reads them as quantized", file=first.file,
+                                tensor=first.name)
+    for m in det.modules:
+        check_module(det, m, tensors)
+        clash = tensors.get(m.name + ".weight")
+        if clash is not None and clash.name not in det.claimed_tensors:
+            raise CorruptCheckpoint(f"a plain weight beside the module's packed {m.weight_tensors[0]!r}: no "
+                                    f"loader reads both, and qconv cannot tell which is meant",
+                                    file=clash.file, tensor=clash.name)
+    if det.unaccounted:
+        name, more = det.unaccounted[0], len(det.unaccounted) - 1
+        raise CorruptCheckpoint(f"{_unaccounted_problem(name, tensors)}"
+                                f"{f' (and {more} more such tensors)' if more else ''}: it cannot be "
+                                f"decoded, and copied it would pass for a plain weight",
+                                file=tensors[name].file, tensor=name)
+    return det
+
+
+def _unaccounted_problem(name: str, tensors) -> str:
+    """What a left-over quantization tensor most likely lost, from its neighbours."""
+    info = tensors[name]
+    base = name.partition(".weight.")[0] if ".weight." in name else module_of(name)
+    if name.endswith(".weight") and info.dtype == "I8" and base + ".SCB" not in tensors:
+        return "an int8 weight with no SCB scale tensor (missing from the files or from the index)"
+    if base + ".weight.absmax" in tensors and not any(t.startswith(base + ".weight.quant_state.")
+                                                      for t in tensors):
+        return f"bitsandbytes 4-bit data ({info.dtype}) with no quant_state tensor beside it"
+    return f"quantization data ({info.dtype}) that belongs to no quantized module"
+
+
+def check_module(det: Detection, m: QuantModule, tensors) -> None:
+    """Refuse, from headers, a module that read_module could not decode exactly."""
+    if m.family == "bnb8":
+        bnb_codec.check_int8(m, tensors)
+    elif m.family == "bnb4":
+        bnb_codec.check_4bit(m, tensors)
+    else:
+        gptq_codec.check(m, tensors, det.qc)
 
 
 def model_dtype(comp: Component, det: Detection) -> str:

@@ -109,8 +109,9 @@ class ShardWriter:
             raise AssertionError(f"write of {name!r} out of plan order (expected {planned!r})")
         written = 0
         for chunk in chunks:
-            data = memoryview(np.ascontiguousarray(chunk)).cast("B")
-            self._f.write(data)
+            data = memoryview(np.ascontiguousarray(chunk).reshape(-1)).cast("B")   # 1-D: a size-0 chunk casts too
+            if data.nbytes:
+                self._f.write(data)
             written += data.nbytes
         if written != nbytes(dtype, shape):
             raise AssertionError(f"{name!r}: wrote {written} bytes, planned {nbytes(dtype, shape)}")

@@ -43,6 +43,14 @@ def read_array(info: TensorInfo, rows: tuple[int, int] | None = None) -> np.ndar
     return out.reshape(shape)
 
 
+def finite_scales(values: np.ndarray, info: TensorInfo) -> np.ndarray:
+    """Scales as read, refused when one is NaN or infinite: every weight it scales would decode to
+    garbage, and a comparison against a bound would not notice."""
+    if not np.all(np.isfinite(values)):
+        raise CorruptCheckpoint("holds non-finite scales (NaN or infinity)", file=info.file, tensor=info.name)
+    return values
+
+
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
@@ -63,7 +71,8 @@ def convert_float(values: np.ndarray, src: str, dst: str) -> np.ndarray:
     if src == dst:
         return values
     if values.size <= 1 << 16 and src in ("F16", "F32", "F64") and dst in ("F16", "F32"):
-        return values.astype(np.float16 if dst == "F16" else np.float32)   # small: skip torch's import
+        with np.errstate(over="ignore"):     # beyond float16's range is inf, as torch makes it
+            return values.astype(np.float16 if dst == "F16" else np.float32)   # small: skip torch's import
     import torch
 
     raw = np.ascontiguousarray(values)

@@ -48,7 +48,8 @@ def test_bnb8_to_gptq_keeps_codes_exactly(tmp_path, name):
         assert dst[m + ".scales"].dtype == torch.float16 and dst[m + ".scales"].shape == (1, cb.shape[0])
         assert torch.equal(dst[m + ".scales"][0], (scb / 127).to(torch.float16)), m
         assert torch.equal(dst[m + ".qzeros"], torch.full_like(dst[m + ".qzeros"], 0x7F7F7F7F))
-        assert m + ".g_idx" not in dst
+        # g_idx as GPTQModel writes it for one group per row: every input feature in group 0
+        assert torch.equal(dst[m + ".g_idx"], torch.zeros(cb.shape[1], dtype=torch.int32)), m
     for k, v in src.items():                                            # everything else untouched
         if not k.endswith((".SCB", ".weight_format")) and k[: -len(".weight")] not in modules:
             assert torch.equal(dst[k], v) and dst[k].dtype == v.dtype, k
