@@ -245,7 +245,8 @@ With --tol: relative Frobenius error of Y <= tol (use it for lossy pairs).
 
 
 @cli.command("validate", epilog=VALIDATE_HELP + "\n" + EXIT_CODES_HELP.replace(
-    "1    the check failed (inspect --strict: warnings were found)", "1    a layer failed"))
+    "1    the check failed (inspect --strict: warnings were found)",
+    "1    a layer failed (a NaN or inf included), or nothing was compared"))
 @click.argument("a", type=click.Path(path_type=Path))
 @click.argument("b", type=click.Path(path_type=Path))
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
@@ -263,8 +264,9 @@ With --tol: relative Frobenius error of Y <= tol (use it for lossy pairs).
 def validate_cmd(a, b, device, tol, samples, seed, rows, kernels, as_json) -> int:
     """Check layer by layer that checkpoints A and B compute the same thing: the same seeded
     activations through both sides' exact weights (and through the producer's own kernel where it is
-    installed: bitsandbytes int8 and 4-bit, auto-round's CPU kernel), on the GPU when there is one.
-    Modules on one side only are reported."""
+    installed: bitsandbytes int8 and 4-bit, auto-round's CPU kernel; by default on each distinct
+    format, kernel and shape once plus a seeded sample of layers), on the GPU when there is one.
+    Modules on one side only are reported and fail."""
     from .validation import validate
 
     result = validate(a, b, samples=samples, seed=seed, tol=tol, device=device, rows=rows, kernels=kernels)

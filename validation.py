@@ -20,41 +20,64 @@ criterion is instead relative Frobenius error of Y <= tol. For a layer that `con
 requantized, the result's weights must differ from the source's by no more than the error convert
 measured and reported (a packing or zero-point defect adds to it); Y's metrics are reported alongside.
 
-Where the producing library is installed, each side's own kernel runs on the same X too (bitsandbytes'
-LLM.int8 matmul with its outlier threshold and its 4-bit matmul; auto-round's CPU kernel for GPTQ v1 and
-auto_round:auto_gptq) and must agree with qconv's decoding within that kernel's own arithmetic, so
-validation is never only qconv's decoder checked against itself.
+Cheaper arithmetic where it is exact: when both sides hold the same integer codes (and zero points and
+groups), the per-weight criterion is settled from the scales alone, with no float product: bit for bit
+identical weights when the scales are equal too (B's product is then A's, computed once), else every
+weight within the bound when each scale pair is close enough whatever the code (float32 rounding of
+the products included); float weights stored bit for bit alike are identical the same way. Only where
+codes or stored weights differ is every weight compared in float32, and the first one off named. The output bound's denominator is first taken from ||Y_A[:, c]|| (which it dominates,
+so passing that stricter test passes the bound); || |X| |W_A[c]|^T || costs a third product only for
+the blocks where that does not settle it.
 
-Work is split so the device does the arithmetic: worker threads read and unpack the next layers (codes,
-zero points, scales) while the device dequantizes (dequantize_block, bit for bit the numpy reference)
-and compares the current one, one block of rows at a time, so device memory is bounded by a block.
-Every row is checked; with --rows sampled, layers above 4,096 rows are checked on 8 evenly spread
-windows of 512 rows (faster on a CPU; the report marks those layers).
+The producers' own kernels (bitsandbytes' LLM.int8 matmul with its outlier threshold and its 4-bit
+matmul; auto-round's CPU kernel for GPTQ v1 and auto_round:auto_gptq) run on the same X too and must
+agree with qconv's decoding within that kernel's own arithmetic, so validation is never only qconv's
+decoder checked against itself. By default they run where they buy evidence: every distinct (format,
+kernel, shape) once, plus a seeded sample of KERNEL_SAMPLE layers per kernel (every layer when there
+are no more); kernels="all" runs them on every layer. They run on a thread of their own, which imports
+torch and the library only when a kernel is used, while the comparison goes on.
+
+Work is split over the cores: reader threads read and unpack the next layers while compute threads
+dequantize, multiply and compare blocks of about BLOCK_ELEMENTS weights, so memory is bounded by a
+block and a few layers of codes. On the CPU that is numpy itself (QuantTensor.dequantize_rows, the
+reference decoding); on CUDA it is dequantize_block, bit for bit the same. Every row is checked; with
+--rows sampled, layers above 4,096 rows are checked on 8 evenly spread windows of 512 rows (the report
+marks those layers).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import importlib.util
+import math
+import sys
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from .errors import UsageError
 from .formats.checkpoint import Component, open_target
-from .formats.detect import Detection, detect
+from .formats.detect import Detection
 from .formats.ir import QuantTensor
 from .formats.layout import QuantModule, natural_key
-from .formats.reader import model_dtype, read_module
+from .formats.reader import model_dtype, read_module, require_decodable
 from .formats.safetensors_header import FLOAT_DTYPES, TensorInfo
-from .formats.tensor_io import read_array
+from .formats.tensor_io import read_array, to_float32
 
 ULP = {"F16": 2.0**-11, "BF16": 2.0**-8, "F32": 2.0**-24, "F64": 2.0**-53}
 MAX_ROWS = 4096            # sampled rows: larger layers are checked on evenly spread row windows
 WINDOWS = 8
-BLOCK_ELEMENTS = 1 << 25   # all rows: weights per block on the device (128 MiB of float32 per side)
+BLOCK_ELEMENTS = 1 << 22   # all rows: weights per block (16 MiB of float32 per side)
 WEIGHT_SLACK = 2.0**-21    # float32 roundings of the scale products on both sides (a few 2^-24)
-PREFETCH = 4               # layers read and decoded ahead of the device, on worker threads
+PREFETCH = 2               # layers read and unpacked ahead at most, on as many reader threads
+READ_AHEAD = 1 << 27       # bytes of codes held for layers read ahead and being compared (beyond one ahead)
+COMPUTE_THREADS = 2        # blocks dequantized, multiplied and compared at once (one per core here)
+IN_FLIGHT = 4              # blocks submitted ahead of the one being summed up
+KERNEL_SAMPLE = 16         # layers per kernel cross-checked by default, besides one of each shape
+UNIT = 2.0**-24 * (1 + 2.0**-20)   # float32 unit roundoff, with room for float64's roundings of the check
 # LLM.int8 quantizes activations to int8 (1/127 steps); the 4-bit kernel computes in float32 here;
 # auto-round's torch kernel rounds the dequantized weight to float16 before the matmul (2^-11).
 KERNEL_TOLERANCE = {"bnb8": 0.05, "bnb4": 1e-4, "gptq": 2e-3}
@@ -94,7 +117,7 @@ class Entry:
 class Side:
     def __init__(self, comp: Component):
         self.comp = comp
-        self.det: Detection = detect(comp)
+        self.det: Detection = require_decodable(comp)
         self.dtype = model_dtype(comp, self.det)
         self.entries: dict[str, Entry] = {m.name: Entry(m.name, m, None) for m in self.det.modules}
         for name, info in comp.tensors.items():
@@ -106,14 +129,18 @@ class Side:
         e = self.entries[name]
         return (e.module.out_features, e.module.in_features) if e.module else tuple(e.info.shape)
 
-    def host(self, name: str) -> HostWeight:
-        """The layer as the host holds it: decoded on a worker thread when quantized (a QuantTensor); a
-        float weight is read a block of rows at a time, when the device asks for it, so memory stays
-        bounded by a block even for a float lm_head."""
+    def host(self, name: str, device) -> HostWeight:
+        """The layer as the host holds it: decoded on a reader thread when quantized (a QuantTensor); a
+        float weight is read a block of rows at a time, when a block asks for it, so memory stays
+        bounded by a block even for a float lm_head. GPTQ codes stay a transposed view of their [in, out]
+        order (no host transposition, the slowest step of reading) where a device transposes them, and
+        on the host where a layer has one group per row: there numpy's dequantize_rows is elementwise
+        with per-row broadcasts, right in any memory order (tested)."""
         e = self.entries[name]
         if e.module is None:
             return HostWeight(None, e.info)
-        return HostWeight(read_module(self.comp, self.det, e.module, self.dtype, contiguous=False), None)
+        contiguous = device is None and e.module.details.get("groups") != 1
+        return HostWeight(read_module(self.comp, self.det, e.module, self.dtype, contiguous=contiguous), None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,13 +148,21 @@ class HostWeight:
     qt: QuantTensor | None
     info: TensorInfo | None
 
-    def block(self, r0: int, r1: int, device):
-        """Rows r0:r1 of the float32 weight, computed on the device."""
+    def stored(self, r0: int, r1: int) -> np.ndarray | None:
+        """Rows r0:r1 of a float weight as stored; None for a quantized one."""
+        return None if self.info is None else read_array(self.info, rows=(r0, r1))
+
+    def block(self, r0: int, r1: int, device, raw: np.ndarray | None = None):
+        """Rows r0:r1 of the float32 weight (a float one from its stored rows ``raw``): numpy's reference
+        decoding on the host (device None), else computed on the torch device."""
+        if self.qt is None and raw is None:
+            raw = self.stored(r0, r1)
+        if device is None:
+            return self.qt.dequantize_rows(r0, r1) if self.qt is not None else to_float32(raw, self.info.dtype)
         import torch
 
         if self.qt is not None:
             return dequantize_block(self.qt, r0, r1, device)
-        raw = read_array(self.info, rows=(r0, r1))
         if self.info.dtype == "BF16":
             return torch.from_numpy(raw.view(np.int16)).to(device).view(torch.bfloat16).float()
         return torch.from_numpy(raw).to(device).float()
@@ -175,6 +210,48 @@ def dequantize_block(qt: QuantTensor, r0: int, r1: int, device):
     return w.view(rows, inp)
 
 
+def _roundings(qt: QuantTensor) -> int:
+    """float32 roundings between a code and its weight: one product, or, with bitsandbytes' divisor,
+    the product, the rounded 1/127 and the second product."""
+    return 3 if qt.spec.scheme == "int" and qt.spec.scale_divisor != 1 else 1
+
+
+def settle_by_codes(qa: QuantTensor | None, qb: QuantTensor | None, w_rel: float) -> str | None:
+    """Whether the stored codes and scales alone settle the per-weight criterion, with no float product.
+
+    "identical": the same codes, zero points, groups, scales and divisor, so dequantization gives the
+    same bits. "within": the same codes and, for every scale pair (a, b) (scale / divisor, exact in
+    float64), |b - a| + u (k_a |a| + k_b |b|) <= w_rel (1 - k_a u) |a|, with u the float32 unit roundoff
+    and k the roundings between code and weight on each side (1, or 3 with bitsandbytes' divisor):
+    then every weight c a (1 + d_a), c b (1 + d_b) of that group meets |W_B - W_A| <= w_rel |W_A|
+    whatever its code c (the inequality is |c| times that), scales kept inside 2^-100..2^100 so that no
+    product leaves float32's normal range. None otherwise: the float comparison decides, weight by
+    weight, and names the first one off."""
+    if qa is None or qb is None or qa.shape != qb.shape or qa.spec.scheme != qb.spec.scheme:
+        return None
+    if qa.scales.shape != qb.scales.shape:
+        return None
+    if qa.spec.scheme == "int":
+        if qa.zeros.shape != qb.zeros.shape or not np.array_equal(qa.zeros, qb.zeros):
+            return None
+        if qa.zeros.shape[1] > 1 and not np.array_equal(qa.groups, qb.groups):
+            return None
+    elif qa.spec.codebook != qb.spec.codebook or qa.spec.group_size != qb.spec.group_size:
+        return None
+    if not np.array_equal(qa.codes, qb.codes):
+        return None
+    if qa.spec.scale_divisor == qb.spec.scale_divisor and np.array_equal(qa.scales, qb.scales):
+        return "identical"
+    if w_rel == 0.0:
+        return None
+    a = np.abs(qa.scales.astype(np.float64) / qa.spec.scale_divisor)
+    b = np.abs(qb.scales.astype(np.float64) / qb.spec.scale_divisor)
+    ka, kb = _roundings(qa), _roundings(qb)
+    close = np.abs(b - a) + UNIT * (ka * a + kb * b) <= w_rel * (1 - ka * UNIT) * a
+    normal = ((a == 0) & (b == 0)) | ((a >= 2.0**-100) & (a <= 2.0**100) & (b >= 2.0**-100) & (b <= 2.0**100))
+    return "within" if bool(np.all(close & normal)) else None
+
+
 def row_windows(out: int) -> list[tuple[int, int]]:
     """All rows of a layer up to MAX_ROWS; above, WINDOWS evenly spread blocks of MAX_ROWS / WINDOWS rows
     (the first at row 0, starts on multiples of 32), so only those rows are dequantized."""
@@ -200,14 +277,25 @@ def _activations(n: int, inp: int, seed: int) -> np.ndarray:
     return x
 
 
-def _torch_device(device: str):
+def _compute_device(device: str):
+    """None for numpy on the host (cpu, or auto without a GPU), else the CUDA torch device. auto asks
+    torch only where a GPU can exist (Linux with no NVIDIA device node has none), so a CPU-only
+    validation never imports torch unless a producer's kernel is used."""
+    if device == "cpu":
+        return None
+    if device == "auto" and sys.platform == "linux" and not any(Path("/dev").glob("nvidia[0-9]*")):
+        return None
+    if importlib.util.find_spec("torch") is None:
+        if device == "auto":
+            return None
+        raise UsageError("--device cuda needs torch, which is not installed; use --device cpu")
     import torch
 
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if device == "cuda":
         raise UsageError("--device cuda, but torch sees no CUDA device; use --device auto or cpu")
-    return torch.device(device)
+    return None
 
 
 def _import_bitsandbytes() -> bool:
@@ -233,7 +321,7 @@ def _kernel_name(side: Side, e: Entry) -> str | None:
     if m is None:
         return None
     if m.family in ("bnb8", "bnb4"):
-        return m.family if _import_bitsandbytes() else None
+        return m.family if importlib.util.find_spec("bitsandbytes") else None
     from .formats.gptq_codec import zero_decoding
     qc = side.det.qc or {}
     # Only what transformers + auto-round load: v1 zeros, fp16 scales, no act-order g_idx, and no
@@ -241,11 +329,7 @@ def _kernel_name(side: Side, e: Entry) -> str | None:
     if (zero_decoding(qc)[0] != "v1" or "meta" in qc or qc.get("desc_act") or m.bits not in (2, 3, 4, 8)
             or m.details.get("scales_dtype") != "F16"):
         return None
-    try:
-        from auto_round_extension.torch.qlinear_torch_zp import QuantLinear  # noqa: F401
-    except ImportError:
-        return None
-    return "auto-round"
+    return "auto-round" if importlib.util.find_spec("auto_round_extension") else None
 
 
 def _kernel_inputs(side: Side, e: Entry) -> dict:
@@ -272,6 +356,8 @@ def _kernel_output(kernel: str, m: QuantModule, raw: dict, X, k: int, device):
         layer.scales = t["scales"][:, :k].contiguous()
         with torch.no_grad():
             return layer(X).float()
+    if not _import_bitsandbytes():
+        raise ImportError("bitsandbytes cannot be imported")
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
 
@@ -293,111 +379,219 @@ class _Plan:
     blocks: list                        # (r0, r1) row blocks to compare
     tol: float | tuple | None
     kernels: dict                       # side -> the producer's kernel to cross-check, or None
+    eps: float                          # the pair's scale rounding (0: the weights must be identical)
+    w_rel: float                        # per weight: |W_B - W_A| <= w_rel |W_A| + w_floor
+    w_floor: float
 
 
 @dataclass(frozen=True, eq=False)
-class _Prepared:
+class _Layer:
     plan: _Plan
     a: HostWeight
     b: HostWeight
-    kernel_inputs: dict                 # side -> raw tensors for that side's own kernel
+    settled: str | None                 # settle_by_codes: "identical", "within" or None
 
 
-def _prepare(a: Side, b: Side, plan: _Plan) -> _Prepared:
-    """Everything of one layer that the host must do (read, unpack): runs on worker threads, ahead of
-    the device, so reading and decoding overlap the comparison of earlier layers."""
-    raw = {s: _kernel_inputs(side, side.entries[plan.name]) for s, side in (("a", a), ("b", b))
-           if plan.kernels[s]}
-    return _Prepared(plan, a.host(plan.name), b.host(plan.name), raw)
+def _read_layer(a: Side, b: Side, plan: _Plan, device) -> _Layer:
+    """Everything of one layer that the host must do (read, unpack, compare codes): runs on reader
+    threads, ahead of the blocks, so reading overlaps the comparison of earlier layers."""
+    ha, hb = (s.host(plan.name, device) for s in (a, b))
+    settled = settle_by_codes(ha.qt, hb.qt, plan.w_rel) if plan.tol is None else None
+    return _Layer(plan, ha, hb, settled)
 
 
-def compare(a: Side, b: Side, p: _Prepared, *, samples: int, seed: int, device) -> dict:
+def _host64(t) -> np.ndarray:
+    return t.astype(np.float64) if isinstance(t, np.ndarray) else t.double().cpu().numpy()
+
+
+@dataclass
+class _Sums:
+    """What the blocks of one layer add up to (each block's own, then the layer's)."""
+    rows: int = 0
+    d2: float = 0.0
+    a2: float = 0.0
+    b2: float = 0.0
+    ab: float = 0.0
+    wd2: float = 0.0
+    wa2: float = 0.0
+    max_abs: float = 0.0
+    ratio: float = 0.0                  # >= max_c ||dY_c|| / || |X| |W_A[c]|^T || (exact where it mattered)
+    worst: int = 0
+    worst_rel: float = -1.0
+    over: int = 0
+    first_over: list | None = None
+    finite: bool = True
+    settled: str | None = None          # settle_by_codes' answer, or "stored": float weights stored alike
+    ys: tuple = ()                      # the first block's (Y_A, Y_B) on the host, for the kernels
+
+    def add(self, o: _Sums) -> None:
+        self.settled = o.settled if self.rows == 0 or self.settled == o.settled else None
+        for k in ("rows", "d2", "a2", "b2", "ab", "wd2", "wa2", "over"):
+            setattr(self, k, getattr(self, k) + getattr(o, k))
+        self.max_abs, self.ratio = max(self.max_abs, o.max_abs), max(self.ratio, o.ratio)
+        if o.worst_rel > self.worst_rel:
+            self.worst, self.worst_rel = o.worst, o.worst_rel
+        self.first_over = self.first_over or o.first_over
+        self.finite = self.finite and o.finite
+
+
+def _compare_block(layer_future, r0: int, r1: int, XT, XabsT, device, keep_ys: bool) -> _Sums:
+    """Rows r0:r1 of one layer: dequantize both sides (B's product is A's when the codes proved them
+    identical), multiply, and sum up what the report needs; every weight compared in float32 only
+    where the codes did not settle it. Products are taken as W X^T (Y^T, one row per output channel,
+    X^T contiguous), which BLAS runs several times faster than X W^T with W transposed."""
+    layer: _Layer = layer_future.result()
+    p = layer.plan
+    inp = XT.shape[0]
+    settled = layer.settled
+    raw_a, raw_b = layer.a.stored(r0, r1), layer.b.stored(r0, r1)
+    if (raw_a is not None and raw_b is not None and layer.a.info.dtype == layer.b.info.dtype
+            and np.array_equal(raw_a.view(np.uint8), raw_b.view(np.uint8))):
+        settled = "stored"              # float weights stored bit for bit alike
+    WA = layer.a.block(r0, r1, device, raw_a)
+    WB = WA if settled in ("identical", "stored") else layer.b.block(r0, r1, device, raw_b)
+    ya = WA @ XT
+    yb = ya if WB is WA else WB @ XT
+    ya64, yb64 = _host64(ya), _host64(yb)
+    s = _Sums(rows=r1 - r0, finite=bool(np.isfinite(ya64).all() and np.isfinite(yb64).all()),
+              settled=settled)
+    if not s.finite:                    # NaN or inf: the layer fails; nothing else here would be meaningful
+        s.ratio = s.max_abs = math.inf
+        return s
+    d = ya64 - yb64
+    dn = np.sqrt(np.einsum("ij,ij->i", d, d))
+    an = np.sqrt(np.einsum("ij,ij->i", ya64, ya64))
+    s.d2, s.a2 = float(dn @ dn), float(an @ an)
+    s.b2, s.ab = float(np.einsum("ij,ij->", yb64, yb64)), float(np.einsum("ij,ij->", ya64, yb64))
+    s.max_abs = float(np.abs(d).max(initial=0.0))
+    rel = np.divide(dn, an, out=np.where(dn > 0, np.inf, 0.0), where=an > 0)
+    if rel.size:
+        i = int(rel.argmax())
+        s.worst, s.worst_rel = r0 + i, float(rel[i])
+    if p.tol is None:
+        # ||Y_A[:, c]|| <= || |X| |W_A[c]|^T || up to float32 accumulation (the 1 + in 2^-22): the ratio to
+        # it bounds the true one from above; only if that fails the bound is the exact denominator paid.
+        ratio = rel * (1 + inp * 2.0**-22)
+        if ratio.size and not ratio.max() <= p.eps + inp * 2.0**-23:
+            denom = np.sqrt((_host64(abs(WA) @ XabsT) ** 2).sum(axis=1))
+            ratio = np.divide(dn, denom, out=np.where(dn > 0, np.inf, 0.0), where=denom > 0)
+        s.ratio = float(ratio.max(initial=0.0))
+        if settled is None:
+            bad = WB != WA if p.w_rel == 0.0 else ~(abs(WB - WA) <= abs(WA) * p.w_rel + p.w_floor)
+            s.over = int(bad.sum())
+            if s.over:
+                row, col = divmod(int(np.argmax(_host64(bad).ravel())), inp)
+                s.first_over = [r0 + row, col]
+    elif isinstance(p.tol, tuple):
+        s.wd2 = float(((_host64(WB) - _host64(WA)) ** 2).sum())
+        s.wa2 = float((_host64(WA) ** 2).sum())
+    if keep_ys:
+        s.ys = (ya64.T, yb64.T)
+    return s
+
+
+def _kernel_check(kernel: str, side: Side, e: Entry, x: np.ndarray, ours: np.ndarray, device) -> dict:
+    """One producer's kernel on one layer (the first block of its rows), against qconv's Y there. Runs
+    on the kernel thread; its first call imports torch and the library."""
     import torch
 
-    name, tol, kernels = p.plan.name, p.plan.tol, p.plan.kernels
-    ea, eb = a.entries[name], b.entries[name]
-    inp = a.shape(name)[1]
-    x = _activations(samples, inp, seed)
-    X = torch.from_numpy(x).to(device)
-    Xabs = X.abs()
-    same = ea.representation == eb.representation
-    eps = 0.0 if same else max(ea.eps, eb.eps)
-    # Per weight: |W_B - W_A| <= (eps + 2^-21) |W_A| + floor; zero when both store scales alike.
-    w_rel = 0.0 if same else eps + WEIGHT_SLACK
-    w_floor = 0.0 if same else max(ea.floor, eb.floor)
-    sums = dict.fromkeys(("d2", "a2", "b2", "ab", "wd2", "wa2"), 0.0)
-    max_abs, ratio, worst, worst_rel, rows_checked = 0.0, 0.0, 0, -1.0, 0
-    over, first_over = 0, None
-    report_kernels = {}
-    for bi, (r0, r1) in enumerate(p.plan.blocks):
-        WA, WB = p.a.block(r0, r1, device), p.b.block(r0, r1, device)
-        ya, yb = X @ WA.T, X @ WB.T
-        diff = (ya - yb).double()
-        ya64, yb64 = ya.double(), yb.double()
-        per_channel = diff.norm(dim=0)
-        absA = WA.abs()
-        denom = (Xabs @ absA.T).double().norm(dim=0).clamp_min(1e-30)
-        ratio = max(ratio, float((per_channel / denom).max()))
-        rel_channel = per_channel / ya64.norm(dim=0).clamp_min(1e-30)
-        i = int(rel_channel.argmax())
-        if float(rel_channel[i]) > worst_rel:
-            worst_rel, worst = float(rel_channel[i]), r0 + i
-        max_abs = max(max_abs, float(diff.abs().max()))
-        sums["d2"] += float(diff.square().sum())
-        sums["a2"] += float(ya64.square().sum())
-        sums["b2"] += float(yb64.square().sum())
-        sums["ab"] += float((ya64 * yb64).sum())
-        if isinstance(tol, tuple):
-            sums["wd2"] += float((WB.double() - WA.double()).square().sum())
-            sums["wa2"] += float(WA.double().square().sum())
-        elif tol is None:
-            if w_rel == 0.0:
-                bad = WB != WA
-            else:
-                bad = WB.sub(WA).abs_().gt_(absA.mul_(w_rel).add_(w_floor))
-            n = int(torch.count_nonzero(bad))
-            if n and first_over is None:
-                row, col = (int(v) for v in bad.nonzero()[0])
-                first_over = [r0 + row, col]
-            over += n
-        rows_checked += r1 - r0
-        if bi == 0:
-            # Kernels run on the first block (leading output channels; a multiple of 32 rows, so packed
-            # zero points slice cleanly): on a CPU their cost, not the comparison's, dominates.
-            for s, e, ours in (("a", ea, ya), ("b", eb, yb)):
-                if kernels[s]:
-                    try:
-                        y_kernel = _kernel_output(kernels[s], e.module, p.kernel_inputs[s], X, r1, device)
-                    except Exception as exc:  # noqa: BLE001 - the library cannot run it here: said, never counted as a pass
-                        report_kernels[s] = {"kernel": kernels[s], "ok": None,
-                                             "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
-                        continue
-                    k_rel = float((y_kernel.double() - ours.double()).norm() / ours.double().norm().clamp_min(1e-30))
-                    report_kernels[s] = {"kernel": kernels[s], "rel_frobenius": k_rel,
-                                         "ok": k_rel <= KERNEL_TOLERANCE[e.module.family]}
-    rel = (sums["d2"] / max(sums["a2"], 1e-60)) ** 0.5
-    cosine = sums["ab"] / max((sums["a2"] * sums["b2"]) ** 0.5, 1e-60)
+    try:
+        y = _kernel_output(kernel, e.module, _kernel_inputs(side, e), torch.from_numpy(x).to(device),
+                           ours.shape[1], device)
+    except Exception as exc:  # noqa: BLE001 - the library cannot run it here: said, never counted as a pass
+        return {"kernel": kernel, "ok": None, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
+    k_rel = float(np.linalg.norm(_host64(y) - ours) / max(float(np.linalg.norm(ours)), 1e-30))
+    return {"kernel": kernel, "rel_frobenius": k_rel, "ok": bool(k_rel <= KERNEL_TOLERANCE[e.module.family])}
+
+
+def _kernel_sample(side: Side, eligible: dict[str, str], seed: int) -> dict[str, str]:
+    """The layers whose producer's kernel runs by default: the first of each distinct (format, kernel,
+    shape), plus KERNEL_SAMPLE more drawn with the seed (all of them when there are no more)."""
+    chosen, seen = {}, set()
+    for n, k in eligible.items():
+        m = side.entries[n].module
+        key = (m.family, m.scheme, m.group_size, k, side.shape(n))
+        if key not in seen:
+            seen.add(key)
+            chosen[n] = k
+    rest = [n for n in eligible if n not in chosen]
+    for i in sorted(np.random.default_rng(seed).choice(len(rest), min(KERNEL_SAMPLE, len(rest)), replace=False)):
+        chosen[rest[i]] = eligible[rest[i]]
+    return chosen
+
+
+def _held_bytes(a: Side, b: Side, name: str) -> int:
+    """Bytes of codes a read layer holds (a byte a code; float weights are read a block at a time)."""
+    return sum(e.module.out_features * e.module.in_features for e in (a.entries[name], b.entries[name])
+               if e.module is not None)
+
+
+def _blocks(a: Side, b: Side, plans: list[_Plan], device, inputs: dict):
+    """(plan, block index, _Sums) for every block of every plan, in order. Layers are read ahead on
+    PREFETCH reader threads while the codes held for layers not yet summed up stay within READ_AHEAD
+    bytes (one layer ahead always); blocks are computed IN_FLIGHT ahead on COMPUTE_THREADS threads."""
+    readers = ThreadPoolExecutor(PREFETCH, thread_name_prefix="qconv-read")
+    compute = ThreadPoolExecutor(COMPUTE_THREADS, thread_name_prefix="qconv-compare")
+    todo, layers, pending, held = deque(plans), deque(), deque(), {}
+
+    def finished():
+        p, i, f = pending.popleft()
+        s = f.result()
+        if i == len(p.blocks) - 1:
+            del held[p.name]
+        return p, i, s
+
+    try:
+        while todo or layers or pending:
+            while todo and len(layers) <= PREFETCH and (
+                    len(held) <= 1 or sum(held.values()) + _held_bytes(a, b, todo[0].name) <= READ_AHEAD):
+                plan = todo.popleft()
+                held[plan.name] = _held_bytes(a, b, plan.name)
+                layers.append((plan, readers.submit(_read_layer, a, b, plan, device)))
+            if not layers:
+                yield finished()
+                continue
+            plan, layer = layers.popleft()
+            _, XT, XabsT = inputs[plan.name]
+            for bi, (r0, r1) in enumerate(plan.blocks):
+                keep = bi == 0 and any(plan.kernels.values())
+                pending.append((plan, bi, compute.submit(_compare_block, layer, r0, r1, XT, XabsT, device, keep)))
+                while len(pending) > IN_FLIGHT:
+                    yield finished()
+    finally:
+        for pool in (compute, readers):
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _report(plan: _Plan, s: _Sums, inp: int, out: int) -> dict:
+    rel = (s.d2 / max(s.a2, 1e-60)) ** 0.5
+    cosine = s.ab / max((s.a2 * s.b2) ** 0.5, 1e-60)
+    tol = plan.tol
     if isinstance(tol, tuple):           # a requantized layer: its weight error is what convert reported
         _, reported = tol
-        weight_error = (sums["wd2"] / max(sums["wa2"], 1e-60)) ** 0.5
+        weight_error = (s.wd2 / max(s.wa2, 1e-60)) ** 0.5
         ok = weight_error <= reported * (1 + 1e-3) + 1e-6
         criterion = {"weight_rel_error": weight_error, "reported_weight_error": reported}
     elif tol is None:
-        limit = eps + inp * 2.0**-23
-        ok = ratio <= limit and over == 0
-        criterion = {"bound_ratio": ratio, "bound": limit, "weights_over_bound": over}
-        if first_over is not None:
-            criterion["first_weight_over_bound"] = first_over
+        limit = plan.eps + inp * 2.0**-23
+        ok = s.ratio <= limit and s.over == 0
+        criterion = {"bound_ratio": s.ratio, "bound": limit, "weights_over_bound": s.over,
+                     "weights_checked": {"identical": "codes and scales identical",
+                                         "within": "codes identical, scales within the bound",
+                                         "stored": "stored weights identical"}.get(s.settled, "every weight")}
+        if s.first_over is not None:
+            criterion["first_weight_over_bound"] = s.first_over
     else:
         ok = rel <= tol
         criterion = {"tolerance": tol}
-    report = {"module": name, "ok": bool(ok and all(k["ok"] is not False for k in report_kernels.values())),
-              "max_abs": max_abs, "rel_frobenius": rel, "cosine": cosine, "worst_channel": worst,
-              "rows_checked": rows_checked, **criterion}
-    if rows_checked < a.shape(name)[0]:
+    finite = s.finite and all(math.isfinite(v) for v in (rel, cosine, s.max_abs, *criterion.values())
+                              if isinstance(v, float))
+    report = {"module": plan.name, "ok": bool(finite and ok), "max_abs": s.max_abs, "rel_frobenius": rel,
+              "cosine": cosine, "worst_channel": s.worst, "rows_checked": s.rows, **criterion}
+    if not finite:
+        report["problem"] = "non-finite values (NaN or inf) in the weights or outputs"
+    if s.rows < out:
         report["sampled"] = True
-    if report_kernels:
-        report["kernels"] = report_kernels
     return report
 
 
@@ -417,32 +611,100 @@ def _highest_precision():
 
 def validate_components(ca: Component, cb: Component, *, samples: int = 32, seed: int = 0,
                         tol: float | None = None, device: str = "auto", rows: str = "all",
-                        tolerances: dict[str, float] | None = None) -> dict:
-    from .convert.engine import ordered
-
+                        kernels: str = "sampled", tolerances: dict[str, float] | None = None,
+                        modules: set[str] | None = None) -> dict:
+    """One component pair. modules: compare only these layers (one task's shard of a larger job, see
+    docs/validate-scaling.md); the kernel sample is still drawn over every layer in common, so the
+    shards' reports together are exactly the unsharded one."""
     a, b = Side(ca), Side(cb)
-    dev = _torch_device(device)
+    dev = _compute_device(device)
     common = sorted(set(a.entries) & set(b.entries), key=natural_key)
-    results, plans = {}, []
+    same_shape = [n for n in common if a.shape(n) == b.shape(n)]
+    eligible = {s: {n: k for n in same_shape if (k := _kernel_name(side, side.entries[n]))}
+                for s, side in (("a", a), ("b", b))}
+    chosen = eligible if kernels == "all" else {s: _kernel_sample(side, eligible[s], seed)
+                                                for s, side in (("a", a), ("b", b))}
+    if modules is not None:
+        common = [n for n in common if n in modules]
+    results, plans, inputs, activations = {}, [], {}, {}
     for name in common:
         if a.shape(name) != b.shape(name):
             results[name] = {"module": name, "ok": False,
                              "problem": f"shapes differ: {list(a.shape(name))} vs {list(b.shape(name))}"}
             continue
         out, inp = a.shape(name)
+        ea, eb = a.entries[name], b.entries[name]
+        same = ea.representation == eb.representation
+        eps = 0.0 if same else max(ea.eps, eb.eps)
         layer_tol = (tolerances or {}).get(name, tol)
         # A requantized layer is held to its whole-matrix weight error, so it is read whole.
         blocks = row_blocks(out, inp) if rows == "all" or isinstance(layer_tol, tuple) else row_windows(out)
-        kernels = {s: _kernel_name(side, side.entries[name]) for s, side in (("a", a), ("b", b))}
-        plans.append(_Plan(name, blocks, layer_tol, kernels))
-    with _highest_precision():
-        for p in ordered(lambda plan: _prepare(a, b, plan), plans, depth=PREFETCH):
-            results[p.plan.name] = compare(a, b, p, samples=samples, seed=seed, device=dev)
+        plan = _Plan(name, blocks, layer_tol, {s: chosen[s].get(name) for s in ("a", "b")}, eps,
+                     0.0 if same else eps + WEIGHT_SLACK, 0.0 if same else max(ea.floor, eb.floor))
+        if inp not in activations:
+            x = _activations(samples, inp, seed)
+            xt = np.ascontiguousarray(x.T)
+            activations[inp] = (x, *_on_device((xt, np.abs(xt)), dev))
+        inputs[name] = activations[inp]          # (host X, X^T and |X|^T where the blocks are computed)
+        if blocks:
+            plans.append(plan)
+        else:                            # an empty layer: nothing can differ
+            results[name] = _report(plan, _Sums(), inp, out)
+    sums, jobs = {}, []
+    kernel_pool = ThreadPoolExecutor(1, thread_name_prefix="qconv-kernel")
+    kernel_device = dev if dev is not None else "cpu"
+    try:
+        with _highest_precision() if dev is not None else contextlib.nullcontext():
+            for plan, bi, s in _blocks(a, b, plans, dev, inputs):
+                total = sums.setdefault(plan.name, _Sums())
+                total.add(s)
+                if bi == 0:
+                    for side_key, side, ours in (("a", a, 0), ("b", b, 1)):
+                        if plan.kernels[side_key]:
+                            jobs.append((plan.name, side_key, kernel_pool.submit(
+                                _kernel_check, plan.kernels[side_key], side, side.entries[plan.name],
+                                inputs[plan.name][0], s.ys[ours], kernel_device)))
+                if bi == len(plan.blocks) - 1:
+                    out, inp = a.shape(plan.name)
+                    results[plan.name] = _report(plan, sums.pop(plan.name), inp, out)
+            for name, side_key, job in jobs:
+                k = job.result()
+                layer = results[name]
+                layer.setdefault("kernels", {})[side_key] = k
+                layer["ok"] = layer["ok"] and k["ok"] is not False
+    finally:
+        kernel_pool.shutdown(wait=True, cancel_futures=True)
     layers = [results[name] for name in common]
-    return {"component": ca.name, "ok": all(r["ok"] for r in layers), "device": str(dev),
-            "rows": "all" if rows == "all" else "sampled", "layers": layers,
+    # Nothing compared proves nothing: a pair with no layer in common fails.
+    return {"component": ca.name, "ok": bool(layers) and all(r["ok"] for r in layers),
+            "device": "cpu" if dev is None else str(dev), "rows": "all" if rows == "all" else "sampled",
+            "kernels": _kernel_summary(layers, eligible, kernels, seed), "layers": layers,
             "only_in_a": sorted(set(a.entries) - set(b.entries), key=natural_key),
             "only_in_b": sorted(set(b.entries) - set(a.entries), key=natural_key)}
+
+
+def _on_device(arrays, dev) -> tuple:
+    if dev is None:
+        return tuple(arrays)
+    import torch
+
+    return tuple(torch.from_numpy(v).to(dev) for v in arrays)
+
+
+def _kernel_summary(layers: list[dict], eligible: dict, mode: str, seed: int) -> list[dict]:
+    """Per side and kernel: how many layers it could run on, how many it checked, where it could not."""
+    summary = []
+    for side_key in ("a", "b"):
+        for kernel in sorted(set(eligible[side_key].values())):
+            runs = [r["kernels"][side_key] for r in layers if side_key in r.get("kernels", {})
+                    and r["kernels"][side_key]["kernel"] == kernel]
+            errors = sorted({k["error"] for k in runs if k["ok"] is None})
+            summary.append({"side": side_key, "kernel": kernel, "mode": mode, "seed": seed,
+                            "layers": sum(k == kernel for k in eligible[side_key].values()),
+                            "checked": sum(k["ok"] is not None for k in runs),
+                            "failed": sum(k["ok"] is False for k in runs),
+                            "could_not_run": len(runs) - sum(k["ok"] is not None for k in runs), "errors": errors})
+    return summary
 
 
 def validate(path_a: str | Path, path_b: str | Path, **kwargs) -> dict:
@@ -453,6 +715,11 @@ def validate(path_a: str | Path, path_b: str | Path, **kwargs) -> dict:
     else:
         pairs = [(c, comps_b[c.name]) for c in ta.components if c.name in comps_b]
     results = [validate_components(x, y, **kwargs) for x, y in pairs]
-    return {"a": str(path_a), "b": str(path_b), "ok": all(r["ok"] and not r["only_in_a"] and not r["only_in_b"]
-                                                          for r in results), "components": results,
+    both = ta.kind == tb.kind == "pipeline"        # components on one side only fail, like modules
+    only_a = sorted(set(c.name for c in ta.components) - set(comps_b)) if both else []
+    only_b = sorted(set(comps_b) - set(c.name for c in ta.components)) if both else []
+    ok = bool(results) and not only_a and not only_b and all(
+        r["ok"] and not r["only_in_a"] and not r["only_in_b"] for r in results)
+    return {"a": str(path_a), "b": str(path_b), "ok": ok, "components": results,
+            "components_only_in_a": only_a, "components_only_in_b": only_b,
             "layers": [dict(layer, component=r["component"]) for r in results for layer in r["layers"]]}

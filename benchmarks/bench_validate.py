@@ -1,17 +1,25 @@
-"""Benchmark: `qconv validate` on the ~1.1B-parameter conversion (TinyLlama shapes: the bitsandbytes int8
-model of make_tinyllama_bnb8.py against its `qconv bnb8-to-gptq` result), whole process, on the CPU and,
-where torch sees one, on CUDA.
+"""Benchmark: `qconv validate` next to a floor, as whole processes, median of N, on the ~1.1B-parameter
+conversion (TinyLlama shapes: the bitsandbytes int8 model of make_tinyllama_bnb8.py against its
+`qconv bnb8-to-gptq` result) and, with --layout, the full-size Qwen3-VL-8B bitsandbytes int8 layout
+(fixtures/layouts; sparse files, so every weight is zero) against its bnb8-to-gptq result.
 
-    .venv/bin/python benchmarks/bench_validate.py [--samples 32]
+    .venv/bin/python benchmarks/bench_validate.py [--runs 3] [--layout] [--device cpu]
 
-Prints figures only. `--rows all` (the default) checks every output row; `--rows sampled` checks layers
-above 4,096 rows on 8 evenly spread windows of 512 rows.
+The floor is the least any such check can do, written here: one Python process that reads both sides
+layer by layer, dequantizes each layer with numpy (qconv's readers and QuantTensor.dequantize, the
+reference decoding), computes X W^T for 32 activation rows on both (as W X^T, the fastest form) and compares the outputs (largest
+relative difference). No bound, no per-weight check, no kernel cross-check, no overlap.
+
+Floor and validate runs are interleaved (floor, validate, floor, ...) so that machine load, shared
+with other work, falls on both alike; the load average is printed with the figures. Peak RSS is each
+process's own (wait4). Prints figures only; nothing here asserts a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,32 +29,89 @@ from pathlib import Path
 from tabulate import tabulate
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def floor(path_a: str, path_b: str, samples: int = 32) -> None:
+    """The floor: plain read + numpy dequantize + matmul of `samples` activation rows + compare."""
+    import numpy as np
+
+    from qconv.formats.checkpoint import open_target
+    from qconv.formats.reader import read_module
+    from qconv.formats.tensor_io import read_array, to_float32
+    from qconv.validation import Side
+
+    a, b = (Side(open_target(p).components[0]) for p in (path_a, path_b))
+
+    def weight(side: Side, name: str) -> np.ndarray:
+        e = side.entries[name]
+        if e.module is None:
+            return to_float32(read_array(e.info), e.info.dtype)
+        return read_module(side.comp, side.det, e.module, side.dtype).dequantize()
+
+    rng = np.random.default_rng(0)
+    worst, layers = 0.0, 0
+    for name in sorted(set(a.entries) & set(b.entries)):
+        wa, wb = weight(a, name), weight(b, name)
+        xt = rng.standard_normal((wa.shape[1], samples)).astype(np.float32)    # X^T: W X^T is BLAS's fast form
+        ya, yb = wa @ xt, wb @ xt
+        worst = max(worst, float(np.abs(ya - yb).max() / max(float(np.abs(ya).max()), 1e-30)))
+        layers += 1
+    print(f"{layers} layers, largest relative difference {worst:.3g}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--layout", action="store_true", help="also the full-size Qwen3-VL-8B layout")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "auto", "cuda"])
+    ap.add_argument("--floor", nargs=2, metavar=("A", "B"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.floor:
+        floor(*args.floor)
+        return
+    qconv = str(Path(sys.executable).parent / "qconv")
     src = Path(subprocess.run([sys.executable, HERE / "make_tinyllama_bnb8.py"], check=True,
                               capture_output=True, text=True).stdout.strip().splitlines()[-1])
-    qconv = str(Path(sys.executable).parent / "qconv")
-    devices = ["cpu"]
-    probe = "import torch; print(torch.cuda.is_available())"
-    if subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "True":
-        devices.append("cuda")
+    HERE.joinpath(".cache").mkdir(exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory(dir=HERE / ".cache") as tmp:
-        out = Path(tmp) / "gptq"
-        subprocess.run([qconv, "bnb8-to-gptq", src, out], check=True, capture_output=True)
-        for device, mode in [("cpu", "all"), ("cpu", "sampled")] + [("cuda", "all")] * (len(devices) > 1):
-            t0 = time.perf_counter()
-            proc = subprocess.run([qconv, "validate", "--device", device, "--rows", mode, "--samples",
-                                   str(args.samples), src, out], capture_output=True, text=True)
-            wall = time.perf_counter() - t0
-            rows.append((device, mode, f"{wall:.1f}", proc.stdout.strip().splitlines()[-1]))
-    print(f"qconv validate, TinyLlama-1.1B bnb int8 vs its bnb8-to-gptq result, {args.samples} activation rows, "
+        pairs = [("TinyLlama-1.1B bnb int8 -> gptq", src, Path(tmp) / "gptq")]
+        if args.layout:
+            sys.path.insert(0, str(REPO / "fixtures" / "layouts"))
+            from build import build
+            layout = build(REPO / "fixtures" / "layouts" / "qwen3vl-8b-bnb8.json", Path(tmp) / "qwen3vl-8b")
+            pairs.append(("Qwen3-VL-8B layout bnb int8 -> gptq", layout, Path(tmp) / "qwen3vl-8b-gptq"))
+        for label, a, b in pairs:
+            subprocess.run([qconv, "bnb8-to-gptq", a, b], check=True, capture_output=True)
+            floors, validates = [], []
+            load = os.getloadavg()[0]
+            for _ in range(args.runs):
+                floors.append(_measure([sys.executable, __file__, "--floor", str(a), str(b)]))
+                validates.append(_measure([qconv, "validate", "--device", args.device, str(a), str(b)]))
+            load = (load + os.getloadavg()[0]) / 2
+            f = statistics.median(t for t, _, _ in floors)
+            v = statistics.median(t for t, _, _ in validates)
+            rows.append((label, f"{f:.1f}", f"{v:.1f}", f"{v / f:.2f}x",
+                         f"{max(r for _, r, _ in floors):.2f}", f"{max(r for _, r, _ in validates):.2f}",
+                         f"{load:.1f}", validates[-1][2]))
+    print(f"qconv validate (--device {args.device}) next to the floor, whole processes, median of {args.runs}, "
           f"{os.cpu_count()} CPUs\n")
-    print(tabulate(rows, headers=["device", "rows", "wall s", "result"]))
+    print(tabulate(rows, headers=["pair", "floor s", "validate s", "ratio", "floor GiB", "validate GiB",
+                                  "load avg", "validate says"]))
+
+
+def _measure(cmd: list[str]) -> tuple[float, float, str]:
+    """(wall seconds, peak RSS in GiB, last line of stdout) of one whole process, its own RSS (wait4)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    proc.stdout.close()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    lines = out.strip().splitlines() or [f"exit {proc.returncode}"]
+    return wall, usage.ru_maxrss / 2**20, lines[-1]
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 1. validate's device dequantization is bit for bit the numpy reference, on every module of every
    reference checkpoint (float32 subtract/multiply are exact on the GPU too; this proves it);
 2. `qconv validate` on CUDA over a lossless conversion of every reference checkpoint, with the
-   producers' own CUDA kernels cross-checked (bitsandbytes int8 / 4-bit, auto-round);
+   producers' own CUDA kernels cross-checked on every layer (bitsandbytes int8 / 4-bit, auto-round);
 3. the same over a generated ~1.1B-parameter model (every row checked), timed;
 4. one code changed in one layer of that model's conversion fails, and only that layer is named.
 
@@ -190,7 +190,7 @@ def main() -> int:
             out = tmp / src.name
             t0 = time.perf_counter()
             convert(src, out, opts)
-            result = validate(src, out, device=args.device)
+            result = validate(src, out, device=args.device, kernels="all")
             rows.append((src.name, to, result["ok"], len(result["layers"]), time.perf_counter() - t0))
             ok &= result["ok"]
             _count_kernels(result, kernel_runs)
@@ -200,7 +200,7 @@ def main() -> int:
         convert(gen, back, Options("bnb8"))
         made = time.perf_counter() - t0
         t0 = time.perf_counter()
-        result = validate(gen, back, device=args.device)
+        result = validate(gen, back, device=args.device, kernels="all")
         _count_kernels(result, kernel_runs)
         rows.append((f"generated {params / 1e9:.2f}B (made in {made:.0f} s), rows {result['components'][0]['rows']}",
                      "bnb8", result["ok"], len(result["layers"]), time.perf_counter() - t0))
@@ -217,7 +217,7 @@ def main() -> int:
                     f.seek(info.offset + 5007)
                     f.write(bytes([(byte + 1) % 256]))
         t0 = time.perf_counter()
-        result = validate(gen, back, device=args.device)
+        result = validate(gen, back, device=args.device, kernels="all")
         failed = [r["module"] for r in result["layers"] if not r["ok"]]
         rows.append(("same, one code of one layer changed: fails, names it", "bnb8", failed == [bad_layer],
                      len(result["layers"]), time.perf_counter() - t0))

@@ -21,7 +21,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ..errors import CorruptCheckpoint, UnsupportedFormat
-from ..formats.checkpoint import QUANT_CONFIG_FILES, Component, SourceRoot, is_pickle, open_target, plain_name
+from ..formats.checkpoint import (QUANT_CONFIG_FILES, Component, SourceRoot, is_pickle, listing, open_target,
+                                  plain_name)
 from ..formats.reader import require_decodable
 from ..formats.safetensors_header import FLOAT_DTYPES, TensorInfo, open_regular
 from ..formats.safetensors_writer import ShardWriter, index_json, plan_shards
@@ -128,7 +129,7 @@ def plan_other_files(folder: Path, root: SourceRoot | None = None) -> CopyPlan:
     """The top-level files of a converted model folder to carry along (subfolders are not)."""
     root = root or SourceRoot.of(folder)
     plan = CopyPlan([], [], [])
-    for p in _listing(folder):
+    for p in listing(folder):
         if _is_own_file(p.name):
             continue
         if is_pickle(p.name):
@@ -144,7 +145,7 @@ def _plan_tree(folder: Path, rel: str, root: SourceRoot, plan: CopyPlan, seen: f
         raise CorruptCheckpoint("is a link to a folder that contains it (a loop); refusing to follow it",
                                 file=folder)
     plan.folders.append(rel)
-    for p in _listing(folder):
+    for p in listing(folder):
         sub = f"{rel}/{p.name}"
         if is_pickle(p.name):
             plan.left_out.append(sub)
@@ -159,7 +160,7 @@ def _plan_tree(folder: Path, rel: str, root: SourceRoot, plan: CopyPlan, seen: f
 def plan_pipeline_copies(src: Path, root: SourceRoot, converted: set[str]) -> CopyPlan:
     """Everything of a pipeline but its converted components: files and whole folders, by content."""
     plan = CopyPlan([], [], [])
-    for p in _listing(src):
+    for p in listing(src):
         if p.name in converted:
             continue
         if is_pickle(p.name):
@@ -171,13 +172,6 @@ def plan_pipeline_copies(src: Path, root: SourceRoot, converted: set[str]) -> Co
         elif kind == "file":
             plan.files.append((p, p.name))
     return plan
-
-
-def _listing(folder: Path) -> list[Path]:
-    try:
-        return sorted(folder.iterdir())
-    except OSError as exc:
-        raise CorruptCheckpoint(f"cannot list the folder: {exc.strerror or exc}", file=folder) from None
 
 
 def copy_file(src: Path, dst: Path) -> None:

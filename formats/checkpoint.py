@@ -201,7 +201,8 @@ def _open_pipeline(folder: Path, index: Path, root: SourceRoot) -> list[Componen
     return components
 
 
-def _listing(folder: Path) -> list[Path]:
+def listing(folder: Path) -> list[Path]:
+    """A folder's entries, sorted; an unreadable folder is a one-line refusal naming it."""
     try:
         return sorted(folder.iterdir())
     except OSError as exc:
@@ -209,11 +210,11 @@ def _listing(folder: Path) -> list[Path]:
 
 
 def _weight_files(folder: Path, root: SourceRoot) -> list[Path]:
-    return [p for p in _listing(folder) if p.suffix == ".safetensors" and root.check(p) == "file"]
+    return [p for p in listing(folder) if p.suffix == ".safetensors" and root.check(p) == "file"]
 
 
 def _pickle_files(folder: Path) -> list[Path]:
-    return [p for p in _listing(folder) if is_pickle(p.name) and p.is_file()]
+    return [p for p in listing(folder) if is_pickle(p.name) and p.is_file()]
 
 
 def _read_configs(folder: Path, root: SourceRoot) -> tuple[dict | None, dict[str, dict]]:
@@ -256,11 +257,11 @@ def open_component(folder: Path, name: str, root: SourceRoot | None = None) -> C
     """Open one model folder: configs, shard index (if any) and every safetensors header. ``root``:
     where its files may live (default: the folder itself, or its Hugging Face cache repository)."""
     root = root or SourceRoot.of(folder)
-    listing = _listing(folder)
-    if not listing:
+    entries = listing(folder)
+    if not entries:
         raise InputNotFound("folder is empty", file=folder)
     config, side = _read_configs(folder, root)
-    indexes = [p for p in listing if p.name.endswith(".safetensors.index.json")
+    indexes = [p for p in entries if p.name.endswith(".safetensors.index.json")
                and root.check(p, "shard index") == "file"]
     warnings: list[str] = []
     index_path = None

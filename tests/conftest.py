@@ -26,6 +26,17 @@ def run_qconv(*args, check=None):
     return proc
 
 
+def one_error(proc, code, *needles):
+    """The run exited ``code`` with exactly one ``qconv: error:`` line holding every needle; returns it."""
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qconv: error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert "Traceback" not in proc.stderr and "[(" not in proc.stderr
+    return lines[0]
+
+
 def inspect_json(path):
     proc = run_qconv("inspect", "--json", path, check=0)
     return json.loads(proc.stdout)

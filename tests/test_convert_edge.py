@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import CHECKPOINTS, run_qconv
+from conftest import CHECKPOINTS, one_error as _one_error, run_qconv
 
 GPTQMODEL = ["llama-gptq-w2g128", "llama-gptq-w3g128", "llama-gptq-w4g128-actorder", "llama-gptq-w4g64-asym",
              "llama-gptq-w8g128"]
@@ -18,14 +18,6 @@ GPTQMODEL = ["llama-gptq-w2g128", "llama-gptq-w3g128", "llama-gptq-w4g128-actord
 def _tensor_bytes(path):
     return {k: (str(v.dtype), tuple(v.shape), v.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
             for k, v in load_file(path).items()}
-
-
-def _one_error(proc, code, *needles):
-    assert proc.returncode == code, (proc.returncode, proc.stderr)
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("qconv: error: "), proc.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
 
 
 @pytest.mark.parametrize("name", GPTQMODEL)

@@ -17,30 +17,13 @@ import subprocess
 
 import pytest
 
-from conftest import CHECKPOINTS, QCONV, copy_checkpoint, run_qconv
+from conftest import CHECKPOINTS, QCONV, copy_checkpoint, one_error as _one_error, run_qconv
+from sweep_cases import snapshot
 
 SECRET = "TOP-SECRET-MARKER qconv must never carry this"
 
 
 # --- helpers ----------------------------------------------------------------------------------------
-
-def _snapshot(root):
-    """Every entry under root, links not followed: files by content, links by target."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = os.path.join(dirpath, name)
-            st = os.lstat(p)
-            rel = os.path.relpath(p, root)
-            if stat.S_ISLNK(st.st_mode):
-                out[rel] = ("link", os.readlink(p))
-            elif stat.S_ISREG(st.st_mode):
-                with open(p, "rb") as f:
-                    out[rel] = ("file", hashlib.sha256(f.read()).hexdigest())
-            else:
-                out[rel] = ("other", stat.S_IFMT(st.st_mode))
-    return out
-
 
 def _contents(root):
     """Relative path -> sha256 of every file of an output folder, which must hold no links."""
@@ -57,16 +40,6 @@ def _contents(root):
 def _qconv(*args, env=None):
     return subprocess.run([QCONV, *map(str, args)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **(env or {})})
-
-
-def _one_error(proc, code, *needles):
-    assert proc.returncode == code, (proc.returncode, proc.stderr)
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("qconv: error: "), proc.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    assert "Traceback" not in proc.stderr and "[(" not in proc.stderr
-    return lines[0]
 
 
 @pytest.fixture
@@ -95,7 +68,7 @@ def _add_components(pipe, *keys):
 
 
 def _assert_untouched(tmp_path, work, before):
-    assert _snapshot(work) == before
+    assert snapshot(work) == before
     assert sorted(os.listdir(tmp_path)) == ["work"]          # no DST, no temp folder, no parents
 
 
@@ -228,7 +201,7 @@ VERBS = {
 @pytest.mark.parametrize("case", sorted(READ_CASES))
 def test_hostile_input_is_refused_by_every_verb(tmp_path, work, case, verb):
     src, needles = READ_CASES[case](work)
-    before = _snapshot(work)
+    before = snapshot(work)
     proc = run_qconv(*VERBS[verb](src, tmp_path / "out"))
     _one_error(proc, 4, *needles)
     assert proc.stdout == ""
@@ -315,7 +288,7 @@ COPY_CASES = {n[10:]: fn for n, fn in globals().items() if n.startswith("copy_ca
 @pytest.mark.parametrize("case", sorted(COPY_CASES))
 def test_hostile_file_to_carry_is_refused(tmp_path, work, case, verb):
     src, needles = COPY_CASES[case](work)
-    before = _snapshot(work)
+    before = snapshot(work)
     proc = run_qconv(*VERBS[verb](src, tmp_path / "out"))
     _one_error(proc, 4, *needles)
     _assert_untouched(tmp_path, work, before)
@@ -325,7 +298,7 @@ def test_hostile_file_to_carry_is_refused(tmp_path, work, case, verb):
 @pytest.mark.parametrize("case", sorted(COPY_CASES))
 def test_inspect_reads_only_what_it_needs(tmp_path, work, case):
     src, _ = COPY_CASES[case](work)
-    before = _snapshot(work)
+    before = snapshot(work)
     run_qconv("inspect", src, check=0)
     _assert_untouched(tmp_path, work, before)
 
@@ -338,7 +311,7 @@ def test_links_inside_source_are_copied_as_content(tmp_path, work):
     (pipe / "tokenizer" / "alias.json").symlink_to("tokenizer_config.json")  # a file link
     (pipe / "text_encoder_2").symlink_to("text_encoder")                    # a component link
     _add_components(pipe, "text_encoder_2", "tokenizer_2")
-    before = _snapshot(work)
+    before = snapshot(work)
     out = tmp_path / "out"
     proc = run_qconv("bnb8-to-gptq", "--json", pipe, out, check=0)
     assert sorted(c["component"] for c in json.loads(proc.stdout)["components"]) == \
@@ -348,7 +321,7 @@ def test_links_inside_source_are_copied_as_content(tmp_path, work):
     for rel in ("tokenizer/alias.json", "tokenizer_2/alias.json", "tokenizer_2/tokenizer_config.json"):
         assert (out / rel).read_bytes() == tok
     assert files["text_encoder/model.safetensors"] == files["text_encoder_2/model.safetensors"]
-    assert _snapshot(work) == before
+    assert snapshot(work) == before
     assert sorted(os.listdir(tmp_path)) == ["out", "work"]
 
 
@@ -386,14 +359,14 @@ def test_hugging_face_cache_snapshot_works(tmp_path, work, layout, verb):
     plain = {"model": _model, "sharded": _sharded_model, "pipeline": _pipeline}[layout](work)
     snap = _hf_cache(work, plain)
     assert all(p.is_symlink() for p in snap.rglob("*") if not p.is_dir())
-    before = _snapshot(work)
+    before = snapshot(work)
     report = json.loads(run_qconv("inspect", "--json", snap, check=0).stdout)
     assert {c["method"] for c in report["components"]} == {"bitsandbytes LLM.int8"}
     run_qconv(verb, snap, tmp_path / "from-cache", check=0)
     run_qconv(verb, plain, tmp_path / "from-folder", check=0)
     assert _contents(tmp_path / "from-cache") == _contents(tmp_path / "from-folder")
     run_qconv("validate", plain, snap, check=0)
-    assert _snapshot(work) == before
+    assert snapshot(work) == before
 
 
 @pytest.mark.parametrize("which", ["config.json", "tokenizer.json"])
@@ -401,14 +374,14 @@ def test_hugging_face_cache_link_out_of_the_blobs_is_refused(tmp_path, work, whi
     snap = _hf_cache(work, _model(work))
     (snap / which).unlink()
     (snap / which).symlink_to(work / "secret.txt")
-    before = _snapshot(work)
+    before = snapshot(work)
     _one_error(run_qconv("dequantize", snap, tmp_path / "out"), 4, which, "resolves outside the source folder")
     _assert_untouched(tmp_path, work, before)
 
 
 def test_blobs_rule_needs_a_real_cache_repository(tmp_path, work):
     snap = _hf_cache(work, _model(work), repo="not-a-cache-repo")
-    before = _snapshot(work)
+    before = snapshot(work)
     _one_error(run_qconv("inspect", snap), 4, "snapshots/4f1c0e1d2b/config.json",
                "resolves outside the source folder", "not-a-cache-repo/blobs/")
     _assert_untouched(tmp_path, work, before)
@@ -426,10 +399,10 @@ def test_destination_link_is_never_written_through(tmp_path, work):
     m = _model(work)
     (work / "elsewhere").mkdir()
     (tmp_path / "out").symlink_to(work / "elsewhere")
-    before = _snapshot(work)
+    before = snapshot(work)
     for extra in ([], ["--overwrite"]):
         _one_error(run_qconv("bnb8-to-gptq", *extra, m, tmp_path / "out"), 6, "out", "not a folder")
-    assert _snapshot(work) == before
+    assert snapshot(work) == before
     assert sorted(os.listdir(tmp_path)) == ["out", "work"]
 
 
@@ -452,7 +425,7 @@ def test_pickles_are_left_out_of_pipelines(tmp_path, work, verb):
     (pipe / "scheduler" / "deep" / "state.PT").write_bytes(PICKLE)         # any depth, any case
     (pipe / "text_encoder" / "training_args.bin").write_bytes(PICKLE)     # in a converted component
     _add_components(pipe, "vae", "scheduler")
-    before = _snapshot(work)
+    before = snapshot(work)
     out = tmp_path / "out"
     proc = run_qconv(verb, "--json", pipe, out, check=0)
     result = json.loads(proc.stdout)
@@ -466,7 +439,7 @@ def test_pickles_are_left_out_of_pipelines(tmp_path, work, verb):
     for name in ("extra.pkl", "scheduler/deep/state.PT", "vae/diffusion_pytorch_model.bin",
                  "text_encoder: left out 1 pickle file(s)"):
         assert any(name in w for w in warnings), (name, proc.stderr)
-    assert _snapshot(work) == before
+    assert snapshot(work) == before
 
 
 def test_pickles_are_left_out_of_models(tmp_path, work):
@@ -509,7 +482,7 @@ def test_destination_filled_meanwhile_is_not_replaced(tmp_path, work, existing):
     code, _, err = _resume(proc)
     assert code == 6 and err.count("\n") == 1 and "created or filled" in err, err
     assert "out" in err and "--overwrite" in err and "Traceback" not in err
-    assert _snapshot(out) == {"keep.txt": ("file", hashlib.sha256(b"mine").hexdigest())}
+    assert snapshot(out) == {"keep.txt": ("file", hashlib.sha256(b"mine").hexdigest())}
     assert sorted(os.listdir(tmp_path)) == ["out", "work"]
 
 
@@ -543,12 +516,12 @@ def test_overwrite_replaces_destination_filled_meanwhile(tmp_path, work):
 def test_signal_leaves_nothing_not_even_parents(tmp_path, work, sig):
     m = _model(work)
     (tmp_path / "a").mkdir()                         # the user's: stays
-    before = _snapshot(work)
+    before = snapshot(work)
     proc = _qconv("dequantize", m, tmp_path / "a" / "b" / "c" / "out",
                   env={"QCONV_TEST_SIGNAL": f"tensor-written:{sig}"})
     assert proc.returncode == 130 and proc.stderr.strip() == "qconv: interrupted", proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["a", "work"] and os.listdir(tmp_path / "a") == []
-    assert _snapshot(work) == before
+    assert snapshot(work) == before
 
 
 def test_sighup_ignored_at_start_stays_ignored(tmp_path, work):
@@ -564,7 +537,7 @@ def test_sighup_ignored_at_start_stays_ignored(tmp_path, work):
 
 def test_failure_removes_parent_folders_it_created(tmp_path, work):
     src = copy_checkpoint("llama-gptq-w4g64-asym", work)
-    before = _snapshot(work)
+    before = snapshot(work)
     proc = run_qconv("convert", src, tmp_path / "x" / "y" / "out", "--to", "auto-round")
     _one_error(proc, 5, "auto_awq")
     _assert_untouched(tmp_path, work, before)

@@ -116,8 +116,8 @@ def _nested(key, value, message, tensor=Q + ".weight.quant_state.bitsandbytes__n
 
 bnb4_nested_blocksize_0 = _nested("nested_blocksize", 0, "nested_blocksize 0")
 # q_proj's 1024 absmax codes have 4 nested absmax values: blocks of 256, not of 1.
-bnb4_nested_blocksize_1 = _nested("nested_blocksize", 1, "nested_absmax has 4 entries; 1024 absmax codes in "
-                                  "nested blocks of 1 need 1024", tensor=Q)
+bnb4_nested_blocksize_1 = _nested("nested_blocksize", 1, "nested_absmax has shape [4]; 1024 absmax codes in "
+                                  "nested blocks of 1 need [1024]", tensor=Q)
 bnb4_nested_blocksize_x = _nested("nested_blocksize", "x", "nested_blocksize 'x'")
 bnb4_nested_offset_abc = _nested("nested_offset", "abc", "nested_offset 'abc'")
 bnb4_nested_offset_nan = _nested("nested_offset", float("nan"), "nested_offset nan")

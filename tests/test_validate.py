@@ -250,3 +250,164 @@ def test_a_kernel_that_cannot_run_is_reported_never_passed(monkeypatch):
     assert {k["error"] for k in kernels} == {"RuntimeError: no kernel image is available for execution on the device"}
     text = cli._validate_table(result)
     assert "bnb8 could not run" in text and "warning: kernel cross-check could not run (bnb8: RuntimeError" in text
+
+
+def _strict_json(text):
+    """json.loads that refuses NaN and Infinity (not JSON: RFC 8259)."""
+    def refuse(name):
+        raise ValueError(f"{name} in --json output")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_nan_weight_fails_names_the_layer_and_json_stays_json(tmp_path):
+    """One NaN float16 weight (max() and <= both ignore NaN): the layer fails, the rest pass, and --json
+    writes null, never NaN."""
+    bad = copy_checkpoint("llama-fp16", tmp_path)
+    _patch(bad / "model.safetensors", "model.layers.0.mlp.up_proj.weight",
+           lambda raw: raw.view(np.uint16).__setitem__(77, 0x7E00))            # float16 NaN
+    proc = run_qconv("validate", "--json", CHECKPOINTS / "llama-fp16", bad)
+    result = _strict_json(proc.stdout)
+    assert proc.returncode == 1 and not result["ok"]
+    assert [r["module"] for r in result["layers"] if not r["ok"]] == ["model.layers.0.mlp.up_proj"]
+    failed = next(r for r in result["layers"] if not r["ok"])
+    assert "non-finite" in failed["problem"]
+    text = run_qconv("validate", CHECKPOINTS / "llama-fp16", bad).stdout
+    assert "FAILED: 15/16" in text and "model.layers.0.mlp.up_proj" in text
+
+
+def test_a_nan_scale_never_passes(tmp_path):
+    bad = copy_checkpoint("llama-bnb8", tmp_path)
+    _patch(bad / "model.safetensors", "model.layers.1.self_attn.q_proj.SCB",
+           lambda raw: raw.view(np.float32).__setitem__(3, np.nan))
+    proc = run_qconv("validate", CHECKPOINTS / "llama-bnb8", bad)
+    assert proc.returncode not in (0, 70) and "OK" not in proc.stdout
+    assert "model.layers.1.self_attn.q_proj" in proc.stdout + proc.stderr
+
+
+def test_nothing_in_common_is_a_failure(tmp_path):
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(CHECKPOINTS / "pipeline-qwen3vl-bnb8", other)
+    (other / "text_encoder").rename(other / "text_encoder_2")
+    index = json.loads((other / "model_index.json").read_text())
+    index["text_encoder_2"] = index.pop("text_encoder")
+    (other / "model_index.json").write_text(json.dumps(index))
+    code, result, _ = _validate(CHECKPOINTS / "pipeline-qwen3vl-bnb8", other)
+    assert code == 1 and not result["ok"] and result["layers"] == []
+    assert result["components_only_in_a"] == ["text_encoder"] and result["components_only_in_b"] == ["text_encoder_2"]
+    text = run_qconv("validate", CHECKPOINTS / "pipeline-qwen3vl-bnb8", other).stdout
+    assert "FAILED: 0/0" in text and "nothing was compared" in text
+
+
+def test_negative_seed_is_a_usage_error():
+    proc = run_qconv("validate", "--seed", "-1", CHECKPOINTS / "llama-bnb8", CHECKPOINTS / "llama-bnb8")
+    assert proc.returncode == 2 and "--seed" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_lossless_pairs_are_settled_by_codes(tmp_path):
+    """bnb int8 -> GPTQ keeps every code, with float16 scales: the weights are proved within the bound
+    from codes and scales alone; a repack (auto-round -> GPTQ) keeps codes and scales: identical."""
+    out = tmp_path / "gptq"
+    run_qconv("bnb8-to-gptq", CHECKPOINTS / "llama-bnb8", out, check=0)
+    code, result, _ = _validate(CHECKPOINTS / "llama-bnb8", out)
+    quantized = [r for r in result["layers"] if r["module"].startswith("model.layers.")]
+    assert code == 0 and {r["weights_checked"] for r in quantized} == {"codes identical, scales within the bound"}
+    assert {r["weights_checked"] for r in result["layers"] if r not in quantized} == {"stored weights identical"}
+    repack = tmp_path / "repack"
+    run_qconv("convert", "--to", "gptq", CHECKPOINTS / "llama-autoround-w4g128-mixed8", repack, check=0)
+    code, result, _ = _validate(CHECKPOINTS / "llama-autoround-w4g128-mixed8", repack)
+    assert code == 0 and {r["weights_checked"] for r in result["layers"] if r["module"].startswith("model.layers.")} \
+        == {"codes and scales identical"}
+
+
+def test_a_scale_off_by_more_than_its_rounding_is_not_settled_by_codes(tmp_path):
+    """Same codes, one float16 scale moved by 2^-9 of itself (four times its rounding): the codes do not
+    settle it, every weight is compared, and the weights it scales are named."""
+    out = tmp_path / "gptq"
+    run_qconv("bnb8-to-gptq", CHECKPOINTS / "llama-bnb8", out, check=0)
+    _patch(out / "model.safetensors", "model.layers.0.mlp.gate_proj.scales",
+           lambda raw: raw.view(np.uint16).__setitem__(5, raw.view(np.uint16)[5] + 4))
+    code, result, _ = _validate(CHECKPOINTS / "llama-bnb8", out)
+    failed = [r for r in result["layers"] if not r["ok"]]
+    assert code == 1 and [r["module"] for r in failed] == ["model.layers.0.mlp.gate_proj"]
+    assert failed[0]["weights_checked"] == "every weight" and failed[0]["first_weight_over_bound"][0] == 5
+
+
+def test_kernels_sampled_by_default_every_layer_on_request(monkeypatch):
+    """Default: the first layer of each distinct (format, kernel, shape) plus KERNEL_SAMPLE drawn with the
+    seed; kernels="all": every layer. The summary counts both, per side and kernel."""
+    from qconv import cli, validation
+
+    monkeypatch.setattr(validation, "KERNEL_SAMPLE", 2)
+    a = b = CHECKPOINTS / "llama-bnb8"
+    full = validation.validate(a, b, device="cpu", kernels="all")
+    assert [(k["side"], k["kernel"], k["layers"], k["checked"]) for k in full["components"][0]["kernels"]] == \
+        [("a", "bnb8", 14, 14), ("b", "bnb8", 14, 14)]
+    sampled = validation.validate(a, b, device="cpu", seed=3)
+    checked = [r for r in sampled["layers"] if "kernels" in r]
+    shapes = {tuple(read_header(a / "model.safetensors").tensors[r["module"] + ".weight"].shape)
+              for r in full["layers"] if r["module"].startswith("model.layers.")}
+    assert len(checked) == len(shapes) + 2 < 14
+    assert {tuple(read_header(a / "model.safetensors").tensors[r["module"] + ".weight"].shape)
+            for r in checked} == shapes
+    assert [r["module"] for r in checked] == [r["module"] for r in validation.validate(a, b, device="cpu", seed=3)["layers"]
+                                              if "kernels" in r]                    # seeded: the same again
+    assert all(k["checked"] == len(checked) and k["layers"] == 14 for k in sampled["components"][0]["kernels"])
+    text = cli._validate_table(sampled)
+    assert f"own kernel bnb8 on A: checked {len(checked)} of 14 layers (each shape once" in text
+    assert sampled["ok"] and all(r["ok"] for r in sampled["layers"])
+
+
+def test_torch_is_imported_only_for_a_kernel():
+    import subprocess
+    import sys
+
+    probe = ("import sys; from qconv.validation import validate; r = validate(sys.argv[1], sys.argv[1], device='cpu'); "
+             "print(r['ok'], 'torch' in sys.modules, 'bitsandbytes' in sys.modules)")
+    for name, expected in (("llama-fp16", "True False False"), ("llama-bnb8", "True True True")):
+        proc = subprocess.run([sys.executable, "-c", probe, CHECKPOINTS / name], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.stdout.split() == expected.split(), proc.stderr[-2000:]
+
+
+def test_shards_of_layers_add_up_to_the_whole(monkeypatch, tmp_path):
+    """Layers are independent: validating disjoint shards of them (what one task of a distributed run
+    does) gives, together, exactly the reports of one run over all, kernel sample included."""
+    from qconv import validation
+    from qconv.formats.checkpoint import open_target
+
+    monkeypatch.setattr(validation, "KERNEL_SAMPLE", 2)
+    out = tmp_path / "gptq"
+    run_qconv("bnb8-to-gptq", CHECKPOINTS / "llama-bnb8", out, check=0)
+    ca, cb = open_target(CHECKPOINTS / "llama-bnb8").components[0], open_target(out).components[0]
+    whole = validation.validate_components(ca, cb, device="cpu", seed=5)
+    names = [r["module"] for r in whole["layers"]]
+    shards = [validation.validate_components(ca, cb, device="cpu", seed=5, modules=set(names[i::3]))
+              for i in range(3)]
+    merged = sorted((r for s in shards for r in s["layers"]), key=lambda r: names.index(r["module"]))
+    assert merged == whole["layers"] and all(s["ok"] for s in shards)
+    for i, k in enumerate(whole["kernels"]):
+        assert sum(s["kernels"][i]["checked"] for s in shards) == k["checked"] < k["layers"]
+
+
+def test_host_dequantization_of_transposed_gptq_codes_is_the_reference(large_model):
+    """On the host, validate leaves GPTQ codes of one-group-per-row layers as a transposed view (no
+    transposition while reading); numpy's dequantize_rows on that view is the contiguous reference bit
+    for bit, on whole layers and on row blocks."""
+    from qconv.formats.checkpoint import open_target
+    from qconv.formats.reader import read_module
+    from qconv.validation import Side
+
+    side = Side(open_target(large_model).components[0])
+    views = 0
+    for name, e in side.entries.items():
+        if e.module is None:
+            continue
+        held = side.host(name, None).qt
+        ref = read_module(side.comp, side.det, e.module, side.dtype)
+        views += not held.codes.flags.c_contiguous
+        out = ref.shape[0]
+        for r0, r1 in ((0, out), (1, 37), (out // 2, out)):
+            assert np.array_equal(held.dequantize_rows(r0, r1).view(np.uint32), ref.dequantize_rows(r0, r1).view(np.uint32))
+    assert views == 7
