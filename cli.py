@@ -12,6 +12,8 @@ from pathlib import Path
 
 import click
 
+from .formats.registry import targets as registered_targets
+
 from . import __version__
 from .errors import EXIT_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, QconvError
 
@@ -147,6 +149,13 @@ def _convert_table(result: dict) -> str:
         for r in c.get("layers", []):
             lines.append(f"  {c['component']}: {r['module']}: {r['reason']}: rel. error {r['rel_frobenius']:.4f}"
                          f" (round-to-nearest {r['rtn_rel_frobenius']:.4f}), max abs {r['max_abs']:.3g}")
+    for c in result["components"]:
+        a = c.get("activation_cost")
+        if a and a["layers"]:
+            lines.append(f"  {c['component']}: run-time {a['activations']} activations (this target's kernels) change "
+                         f"the output of the source's own matmul ({', '.join(a['source_matmul'])}) by "
+                         f"{a['median_vs_source_matmul']:.2%} (median layer), {a['max_vs_source_matmul']:.2%} at "
+                         f"worst ({a['worst_layer']}), on {a['samples']} outlier-shaped activation rows")
     return "\n".join(lines) + f"\nwrote {result['destination']} in {result['seconds']:.1f} s"
 
 
@@ -162,8 +171,9 @@ def _run_convert(src: Path, dst: Path, opts, overwrite: bool, max_shard_size: st
 
 
 _SCALE_DTYPE = click.option("--scale-dtype", type=click.Choice(["float16", "bfloat16", "float32"]),
-                            default=None, help="Stored dtype of GPTQ scales (default: the source's; "
-                                               "float16 from bitsandbytes int8).")
+                            default=None, help="Stored dtype of the scales (default: the source's; from "
+                                               "bitsandbytes int8: float16 for GPTQ and auto-round, float32 for "
+                                               "compressed-tensors; AWQ stores float16 or bfloat16).")
 _COMMON = [click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty."),
            click.option("--max-shard-size", default="5GB", show_default=True,
                         help="Largest output shard, e.g. 5GB, 500MB."),
@@ -183,9 +193,10 @@ def _common(fn):
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--to", "to", required=True,
-              type=click.Choice(["gptq", "gptq-v2", "auto-round", "bnb8", "bnb4-nf4", "bnb4-fp4", "float16",
-                                 "bfloat16", "float32"]),
-              help="Target format.")
+              type=click.Choice([t.name for t in registered_targets()] + ["bnb8", "bnb4-nf4", "bnb4-fp4", "float16",
+                                                                           "bfloat16", "float32"]),
+              help="Target format (compressed-tensors: pack-quantized W{bits}A16; compressed-tensors-w8a8: "
+                   "int8 weights per channel with dynamic per-token int8 activations; awq: AWQ GEMM 4-bit).")
 @click.option("--bits", type=click.IntRange(2, 8), default=None, help="Target bits (default: the source's).")
 @click.option("--group-size", type=int, default=None, callback=lambda ctx, param, v: _group_size(v),
               help="Target group size, -1 per output row (default: the source's); must divide the "
@@ -202,7 +213,9 @@ def _common(fn):
 def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, double_quant, quant_storage,
                 overwrite, max_shard_size, as_json, validate) -> int:
     """Rewrite SRC in another format at DST, keeping every integer code where the arithmetic allows
-    (bnb8 <-> GPTQ 8-bit per-row symmetric, GPTQ v1 <-> v2 <-> auto-round). Where it does not (nf4/fp4
+    (bnb8 <-> GPTQ 8-bit per-row symmetric or compressed-tensors W8A8 / W8A16 per channel; GPTQ v1 <-> v2
+    <-> auto-round <-> compressed-tensors <-> AWQ where the bits, groups and zero points fit). W8A8 also
+    reports what its run-time int8 activations cost. Where codes cannot be kept (nf4/fp4
     to integers, other bits or group sizes, asym to sym) modules are requantized from the source's exact
     weights with a per-group error search, and each one's error is reported next to plain
     round-to-nearest's. An unquantized SRC is quantized the same way, data-free: the Linears of its

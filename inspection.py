@@ -8,145 +8,17 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
-from typing import Mapping
 
-from .formats import bnb, gptq
 from .formats.checkpoint import Component, open_target
-from .formats.detect import METHOD_NAMES, detect
-from .formats.layout import QuantModule, module_of, natural_key
-from .formats.safetensors_header import DTYPES, FLOAT_DTYPES
-
-MAX_EXAMPLES = 3
+from .formats.detect import DECODED_METHODS, METHOD_NAMES, detect
+from .formats.layout import examples as _examples, module_of, natural_key
+from .formats.registry import dialects_for, families
 
 
 def inspect_path(path: str | Path) -> dict:
     target = open_target(path)
     return {"path": str(path), "kind": target.kind,
             "components": [inspect_component(c) for c in target.components]}
-
-
-def _examples(names) -> str:
-    names = sorted(names, key=natural_key)
-    more = f", ... ({len(names)} in all)" if len(names) > MAX_EXAMPLES else ""
-    return ", ".join(names[:MAX_EXAMPLES]) + more
-
-
-def _suggest_prefix(names, key: str) -> str:
-    """The shortest dotted prefix ending in ``key`` among the names (``model.visual``)."""
-    best = None
-    for n in names:
-        parts = n.split(".")
-        for i, p in enumerate(parts):
-            if p == key:
-                cand = ".".join(parts[: i + 1])
-                if best is None or len(cand) < len(best):
-                    best = cand
-                break
-    return best or key
-
-
-def _lint_bnb(qc: Mapping, modules: list[QuantModule], all_modules: set[str],
-              comp: Component, warnings: list[str]) -> None:
-    cfg = bnb.parse_config(qc)
-    threshold = cfg["threshold"]
-    if not isinstance(threshold, float):
-        fix = (f" (write {float(threshold)!r})" if isinstance(threshold, int) and not isinstance(threshold, bool)
-               else "")
-        warnings.append(f"llm_int8_threshold is {threshold!r}, not a float: transformers raises TypeError "
-                        f"when it loads this config{fix}")
-    skip = cfg["skip_modules"]
-    quantized = [m.name for m in modules]
-    if skip is not None and not isinstance(skip, list):
-        warnings.append(f"llm_int8_skip_modules is {type(skip).__name__}, transformers needs a list")
-        skip = None
-    for key in skip or []:
-        if not isinstance(key, str):
-            warnings.append(f"llm_int8_skip_modules entry {key!r} is not a string")
-            continue
-        skipped_quantized = [m for m in quantized if bnb.skipped_by_transformers5(m, key)]
-        if skipped_quantized:
-            warnings.append(
-                f"config and tensors disagree: llm_int8_skip_modules entry {key!r} tells "
-                f"transformers >= 5 not to quantize {len(skipped_quantized)} modules that are stored "
-                f"quantized ({_examples(skipped_quantized)})")
-        if any(bnb.skipped_by_transformers5(m, key) for m in all_modules):
-            continue
-        meant = [m for m in quantized if bnb.skipped_by_transformers4(m, key)]
-        if meant:
-            prefix = _suggest_prefix(meant, key)
-            warnings.append(
-                f"llm_int8_skip_modules entry {key!r} matches no module under transformers >= 5 rules "
-                f"(entries match from the start of the module name, or as a suffix), yet "
-                f"{len(meant)} quantized modules contain {key!r} ({_examples(meant)}): they were "
-                f"quantized, probably against intent (transformers 4.x skipped them). To keep them "
-                f"unquantized, requantize with the full prefix {prefix!r}")
-    if skip is not None and "lm_head" in all_modules and "lm_head" not in quantized:
-        head = comp.tensors.get("lm_head.weight")
-        if head is not None and head.dtype in FLOAT_DTYPES and not any(
-                isinstance(k, str) and bnb.skipped_by_transformers5("lm_head", k) for k in skip):
-            warnings.append("lm_head is stored unquantized but llm_int8_skip_modules does not list it; "
-                            "with an explicit list transformers does not add lm_head itself and will "
-                            "try to quantize it on load: add 'lm_head'")
-    fours = [m for m in modules if m.family == "bnb4"]
-    if fours:
-        types = sorted({m.scheme for m in fours})
-        if cfg["quant_type"] not in types:
-            warnings.append(f"config bnb_4bit_quant_type is {cfg['quant_type']!r} but the tensors are "
-                            f"{'/'.join(types)}")
-        dq = {m.details["double_quant"] for m in fours}
-        if dq != {cfg["double_quant"]}:
-            warnings.append(f"config bnb_4bit_use_double_quant is {cfg['double_quant']} but the "
-                            f"tensors {'mix both' if len(dq) > 1 else 'say ' + str(dq.pop())}")
-        storages = {m.details["quant_storage"] for m in fours}
-        if storages != {cfg["quant_storage"]}:
-            warnings.append(f"config bnb_4bit_quant_storage is {cfg['quant_storage']!r} but the packed "
-                            f"weights are stored as {'/'.join(sorted(map(str, storages)))}")
-
-
-def _lint_gptq(qc: Mapping, modules: list[QuantModule], all_modules: set[str],
-               settings: Mapping, warnings: list[str]) -> None:
-    by_kind: dict[str, list[str]] = defaultdict(list)
-    for m in modules:
-        want = gptq.per_module_settings(qc, m.name)
-        if want is None:
-            by_kind["the config says not to quantize, but they are stored quantized"].append(m.name)
-            continue
-        if isinstance(want["bits"], int) and m.bits and want["bits"] != m.bits:
-            by_kind[f"the config asks for {want['bits']}-bit but the shapes hold {m.bits}-bit codes"
-                    ].append(m.name)
-        gs = want["group_size"]
-        groups = m.details.get("groups")
-        if isinstance(gs, int) and groups and m.in_features:
-            expected = 1 if gs <= 0 else -(-m.in_features // gs)
-            if groups != expected:
-                found = f"group size {m.group_size}" if m.group_size else f"{groups} groups"
-                by_kind[f"the config's group_size {gs} does not fit the scales, which hold {found}"
-                        ].append(m.name)
-    for kind, names in by_kind.items():
-        warnings.append(f"config and tensors disagree on {len(names)} modules: {kind} "
-                        f"({_examples(names)})")
-    warnings.extend(gptq.unmatched_extra_config(qc, sorted(all_modules)))
-    if settings.get("desc_act"):
-        missing = [m.name for m in modules if not m.details.get("has_g_idx")]
-        if missing:
-            warnings.append(f"desc_act is true but {len(missing)} modules have no g_idx "
-                            f"({_examples(missing)})")
-    fmt = settings.get("checkpoint_format")
-    if fmt is not None and fmt not in gptq.GPTQ_FORMATS:
-        warnings.append(f"checkpoint_format {fmt!r} is a kernel-specific repack; qconv reads gptq and "
-                        f"gptq_v2")
-    pf = settings.get("packing_format")
-    if pf is not None and pf not in gptq.AUTO_ROUND_READABLE:
-        warnings.append(f"packing_format {pf!r} is not a GPTQ layout; qconv reads "
-                        f"{', '.join(gptq.AUTO_ROUND_READABLE)}")
-    if settings.get("sym") is False and settings.get("zero_point") == "stored z-1 (v1)":
-        warnings.append("asymmetric with v1 zero points (stored z-1): a zero point of 0 cannot be "
-                        "stored exactly, and vLLM >= 0.33 runs no asymmetric GPTQ")
-
-
-def _common(values):
-    values = {v for v in values if v is not None}
-    return values.pop() if len(values) == 1 else (sorted(values) if values else None)
 
 
 def inspect_component(comp: Component) -> dict:
@@ -160,16 +32,15 @@ def inspect_component(comp: Component) -> dict:
     if qc is None and modules:
         warnings.append(f"tensors are quantized ({method}) but there is no quantization_config: "
                         f"loaders will treat the packed tensors as plain weights")
-    if qc is not None and not modules and cfg_method in ("bnb8", "bnb4", "gptq", "auto-round",
-                                                         "bitsandbytes"):
+    if qc is not None and not modules and cfg_method in DECODED_METHODS:
         warnings.append(f"{qc_source} says {METHOD_NAMES.get(cfg_method, cfg_method)} but no tensor "
                         f"is quantized")
-    if modules and cfg_method in ("bnb8", "bnb4", "gptq", "auto-round"):
-        expected = {"bnb8": {"bnb8"}, "bnb4": {"bnb4"}, "gptq": {"gptq"}, "auto-round": {"gptq"}}
+    expected = {f.name for f in families() if cfg_method in f.config_methods and cfg_method != "bitsandbytes"}
+    if modules and expected:
         found = {m.family for m in modules}
-        if not found <= expected[cfg_method]:
+        if not found <= expected:
             warnings.append(f"{qc_source} says {METHOD_NAMES[cfg_method]} but the tensors hold "
-                            f"{', '.join(METHOD_NAMES[f] for f in sorted(found - expected[cfg_method]))}")
+                            f"{', '.join(METHOD_NAMES[f] for f in sorted(found - expected))}")
 
     problems = defaultdict(list)
     for m in modules:
@@ -208,50 +79,22 @@ def inspect_component(comp: Component) -> dict:
     schemes = sorted(quantized_modules, key=natural_key)
 
     all_modules = {module_of(t) for t in tensors}
+    if qc is not None:
+        for dialect in dialects_for(cfg_method):
+            dialect.lint(qc, modules, all_modules, comp, warnings)
+    # Each family's own settings, the config's where that family's dialect wrote it.
     settings: dict = {}
-    if qc is not None and cfg_method in ("bnb8", "bnb4", "bitsandbytes"):
-        _lint_bnb(qc, modules, all_modules, comp, warnings)
-    if any(m.family == "gptq" for m in modules):
-        gq = [m for m in modules if m.family == "gptq"]
-        settings = gptq.parse_config(qc) if qc and cfg_method in ("gptq", "auto-round") else {}
-        if not settings:
-            group_sizes = {m.group_size for m in gq}
-            settings = {"bits": _common(m.bits for m in gq),
-                        "group_size": group_sizes.pop() if len(group_sizes) == 1 else None}
-        if qc and cfg_method in ("gptq", "auto-round"):
-            _lint_gptq(qc, gq, all_modules, settings, warnings)
-        settings["act_order_modules"] = sum(1 for m in gq if m.details.get("has_g_idx")) if \
-            settings.get("desc_act") else 0
-        settings["scales_dtype"] = _common(DTYPES[m.details["scales_dtype"]][1]
-                                           for m in gq if m.details.get("scales_dtype"))
+    for f in families():
+        own = [m for m in modules if m.family == f.name]
+        if own and f.settings is not None:
+            settings.update(f.settings(qc if cfg_method in f.config_methods else None, own))
 
     logical = sum(quantized_parameters.values()) + sum(
         tensors[t].numel for t in tensors if t not in claimed and t not in state)
     tensor_bytes = sum(i.nbytes for i in tensors.values())
-    report: dict = {"component": comp.name, "method": method}
-    if method == "bitsandbytes LLM.int8":
-        cfg = bnb.parse_config(qc) if qc else {"threshold": None, "skip_modules": None}
-        report.update({
-            "threshold": cfg["threshold"],
-            "skip_modules": cfg["skip_modules"],
-            "linear8bit_modules": list(quantized_modules.get("int8", [])),
-        })
-    elif method == "bitsandbytes 4-bit":
-        fours = [m for m in modules if m.family == "bnb4"]
-        cfg = bnb.parse_config(qc) if qc else {}
-        report.update({
-            "quant_type": _common(m.scheme for m in fours),
-            "blocksize": _common(m.group_size for m in fours),
-            "double_quant": _common(m.details["double_quant"] for m in fours),
-            "quant_storage": _common(m.details["quant_storage"] for m in fours),
-            "original_dtype": _common(m.details["dtype"] for m in fours),
-            "compute_dtype": cfg.get("compute_dtype"),
-            "skip_modules": cfg.get("skip_modules"),
-        })
-    elif method in ("GPTQ", "auto-round"):
-        report.update(settings)
+    report: dict = {"component": comp.name, "method": method, **settings}
     report["parameter_dtypes"] = dict(sorted(parameter_dtypes.items()))
-    if method == "bitsandbytes LLM.int8":
+    if method == METHOD_NAMES["bnb8"]:
         report["int8_parameters"] = quantized_parameters.get("int8", 0)
     report.update({
         "tensor_dtypes": dict(sorted(tensor_dtypes.items())),

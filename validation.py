@@ -58,6 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .probes import import_bitsandbytes, outlier_activations
 from .errors import UsageError
 from .formats.checkpoint import Component, open_target
 from .formats.detect import Detection
@@ -95,9 +96,7 @@ class Entry:
         m = self.module
         if m is None:
             return ("float", self.info.dtype)
-        if m.family == "gptq":
-            return ("gptq", m.details.get("scales_dtype"))
-        return (m.family,)
+        return (m.family, m.details.get("scales_dtype"))
 
     @property
     def floor(self) -> float:
@@ -106,12 +105,12 @@ class Entry:
 
     @property
     def eps(self) -> float:
+        """The rounding of the stored weight or scales: their dtype's unit roundoff (float32 where a
+        format says nothing, as bitsandbytes' float32 SCB and absmax)."""
         m = self.module
         if m is None:
             return ULP.get(self.info.dtype, 0.0)
-        if m.family == "gptq":
-            return ULP.get(m.details.get("scales_dtype"), 2.0**-11)
-        return ULP["F32"]
+        return ULP.get(m.details.get("scales_dtype"), ULP["F32"])
 
 
 class Side:
@@ -129,18 +128,14 @@ class Side:
         e = self.entries[name]
         return (e.module.out_features, e.module.in_features) if e.module else tuple(e.info.shape)
 
-    def host(self, name: str, device) -> HostWeight:
+    def host(self, name: str) -> HostWeight:
         """The layer as the host holds it: decoded on a reader thread when quantized (a QuantTensor); a
         float weight is read a block of rows at a time, when a block asks for it, so memory stays
-        bounded by a block even for a float lm_head. GPTQ codes stay a transposed view of their [in, out]
-        order (no host transposition, the slowest step of reading) where a device transposes them, and
-        on the host where a layer has one group per row: there numpy's dequantize_rows is elementwise
-        with per-row broadcasts, right in any memory order (tested)."""
+        bounded by a block even for a float lm_head."""
         e = self.entries[name]
         if e.module is None:
             return HostWeight(None, e.info)
-        contiguous = device is None and e.module.details.get("groups") != 1
-        return HostWeight(read_module(self.comp, self.det, e.module, self.dtype, contiguous=contiguous), None)
+        return HostWeight(read_module(self.comp, self.det, e.module, self.dtype), None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -182,7 +177,7 @@ def dequantize_block(qt: QuantTensor, r0: int, r1: int, device):
         codes = qt.codes[r0:r1]
         if codes.flags.c_contiguous:
             w = dev(codes).to(torch.float32)
-        else:                           # a transposed view (GPTQ's [in, out]): transposed on the device
+        else:                           # a transposed view: transposed on the device
             w = dev(codes.T).T.contiguous().to(torch.float32)
         z = dev(qt.zeros[r0:r1]).to(torch.float32)
         s = dev(qt.scales[r0:r1]).to(torch.float32)
@@ -270,11 +265,7 @@ def row_blocks(out: int, inp: int) -> list[tuple[int, int]]:
 
 
 def _activations(n: int, inp: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, inp)).astype(np.float32)
-    outliers = rng.choice(inp, size=max(1, inp // 128), replace=False)
-    x[:, outliers] *= np.float32(rng.uniform(8, 20))          # above LLM.int8's 6.0 threshold
-    return x
+    return outlier_activations(n, inp, seed)
 
 
 def _compute_device(device: str):
@@ -298,22 +289,6 @@ def _compute_device(device: str):
     return None
 
 
-def _import_bitsandbytes() -> bool:
-    """Import bitsandbytes without its import-time log lines (on CPUs with AVX512-BF16 it warns that an
-    optional kernel package is missing, which concerns neither validate nor its user)."""
-    import logging
-
-    log = logging.getLogger("bitsandbytes")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        return False
-    finally:
-        log.setLevel(level)
-    return True
-
 
 def _kernel_name(side: Side, e: Entry) -> str | None:
     """Which producer's kernel can run this layer here: "bnb8", "bnb4", "auto-round" or None."""
@@ -322,6 +297,8 @@ def _kernel_name(side: Side, e: Entry) -> str | None:
         return None
     if m.family in ("bnb8", "bnb4"):
         return m.family if importlib.util.find_spec("bitsandbytes") else None
+    if m.family != "gptq":
+        return None
     from .formats.gptq_codec import zero_decoding
     qc = side.det.qc or {}
     # Only what transformers + auto-round load: v1 zeros, fp16 scales, no act-order g_idx, and no
@@ -356,7 +333,7 @@ def _kernel_output(kernel: str, m: QuantModule, raw: dict, X, k: int, device):
         layer.scales = t["scales"][:, :k].contiguous()
         with torch.no_grad():
             return layer(X).float()
-    if not _import_bitsandbytes():
+    if not import_bitsandbytes():
         raise ImportError("bitsandbytes cannot be imported")
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
@@ -395,7 +372,7 @@ class _Layer:
 def _read_layer(a: Side, b: Side, plan: _Plan, device) -> _Layer:
     """Everything of one layer that the host must do (read, unpack, compare codes): runs on reader
     threads, ahead of the blocks, so reading overlaps the comparison of earlier layers."""
-    ha, hb = (s.host(plan.name, device) for s in (a, b))
+    ha, hb = (s.host(plan.name) for s in (a, b))
     settled = settle_by_codes(ha.qt, hb.qt, plan.w_rel) if plan.tol is None else None
     return _Layer(plan, ha, hb, settled)
 
@@ -435,11 +412,58 @@ class _Sums:
         self.finite = self.finite and o.finite
 
 
+def _factored_outputs(qa: QuantTensor, qb: QuantTensor, r0: int, r1: int, XT):
+    """(Y_A, Y_B) of rows r0:r1 for two integer layers holding the same codes, zero points and contiguous
+    groups (settle_by_codes said "within"): Y = sum_g s[:, g] * ((Q - Z)_g X_g^T), with the integer
+    (Q - Z) exact in float32 and multiplied once for both sides, so one product serves two and the
+    difference carries no cancellation of two independent products. None where the groups are not
+    contiguous (act-order) or the codes are a code book: the caller multiplies each side."""
+    if qa.spec.scheme != "int" or qa.g_idx is not None:
+        return None
+    inp, rows, n = XT.shape[0], r1 - r0, XT.shape[1]
+    v = qa.codes[r0:r1].astype(np.float32)
+    z = qa.zeros[r0:r1].astype(np.float32)
+    G, gs = z.shape[1], qa.spec.group_size
+    if G == 1:
+        v -= z
+        p = v @ XT                                                        # [rows, n]
+        ys = [p * q.scales[r0:r1] for q in (qa, qb)]
+    elif gs > 0 and G * gs == inp:
+        v3 = v.reshape(rows, G, gs)
+        v3 -= z[:, :, None]
+        p = np.matmul(v3.transpose(1, 0, 2), XT.reshape(G, gs, n))          # [G, rows, n]
+        ys = [np.einsum("grn,rg->rn", p, q.scales[r0:r1]) for q in (qa, qb)]
+    else:
+        return None
+    for y, q in zip(ys, (qa, qb)):
+        if q.spec.scale_divisor != 1:
+            y *= np.float32(1.0 / q.spec.scale_divisor)
+    return ys
+
+
+def _finite_without_product(layer: _Layer, raw) -> bool | None:
+    """Whether identical weights are certainly finite, with no product: stored float bits that are
+    neither NaN nor inf, or finite scales whose largest weight (|code - zero| < 256) cannot overflow.
+    None where that is not certain (the product decides)."""
+    if raw is not None:
+        bits = raw.view(np.uint16) if raw.dtype.itemsize == 2 else None
+        if layer.a.info.dtype == "F16":
+            return not bool(((bits & 0x7C00) == 0x7C00).any())
+        if layer.a.info.dtype == "BF16":
+            return not bool(((bits & 0x7F80) == 0x7F80).any())
+        return bool(np.isfinite(raw).all())
+    qt = layer.a.qt
+    top = float(np.abs(qt.scales).max(initial=0.0)) / qt.spec.scale_divisor
+    return True if math.isfinite(top) and top * 256 < 2.0**127 else None
+
+
 def _compare_block(layer_future, r0: int, r1: int, XT, XabsT, device, keep_ys: bool) -> _Sums:
-    """Rows r0:r1 of one layer: dequantize both sides (B's product is A's when the codes proved them
-    identical), multiply, and sum up what the report needs; every weight compared in float32 only
-    where the codes did not settle it. Products are taken as W X^T (Y^T, one row per output channel,
-    X^T contiguous), which BLAS runs several times faster than X W^T with W transposed."""
+    """Rows r0:r1 of one layer: dequantize both sides, multiply, and sum up what the report needs; every
+    weight compared in float32 only where the codes did not settle it. Where they did (on the host):
+    weights proven identical need no product at all (outputs equal by construction; computed only for
+    a kernel cross-check), and the same codes under close scales are multiplied once for both sides
+    (_factored_outputs). Products are taken as W X^T (Y^T, one row per output channel, X^T contiguous),
+    which BLAS runs several times faster than X W^T with W transposed."""
     layer: _Layer = layer_future.result()
     p = layer.plan
     inp = XT.shape[0]
@@ -448,10 +472,19 @@ def _compare_block(layer_future, r0: int, r1: int, XT, XabsT, device, keep_ys: b
     if (raw_a is not None and raw_b is not None and layer.a.info.dtype == layer.b.info.dtype
             and np.array_equal(raw_a.view(np.uint8), raw_b.view(np.uint8))):
         settled = "stored"              # float weights stored bit for bit alike
-    WA = layer.a.block(r0, r1, device, raw_a)
-    WB = WA if settled in ("identical", "stored") else layer.b.block(r0, r1, device, raw_b)
-    ya = WA @ XT
-    yb = ya if WB is WA else WB @ XT
+    if (device is None and not keep_ys and p.tol is None and settled in ("identical", "stored")
+            and _finite_without_product(layer, raw_a)):
+        return _Sums(rows=r1 - r0, settled=settled)         # Y_B is Y_A: nothing to multiply
+    ys = (_factored_outputs(layer.a.qt, layer.b.qt, r0, r1, XT)
+          if device is None and settled == "within" else None)
+    WA = None
+    if ys is None:
+        WA = layer.a.block(r0, r1, device, raw_a)
+        WB = WA if settled in ("identical", "stored") else layer.b.block(r0, r1, device, raw_b)
+        ya = WA @ XT
+        yb = ya if WB is WA else WB @ XT
+    else:
+        ya, yb = ys
     ya64, yb64 = _host64(ya), _host64(yb)
     s = _Sums(rows=r1 - r0, finite=bool(np.isfinite(ya64).all() and np.isfinite(yb64).all()),
               settled=settled)
@@ -473,6 +506,8 @@ def _compare_block(layer_future, r0: int, r1: int, XT, XabsT, device, keep_ys: b
         # it bounds the true one from above; only if that fails the bound is the exact denominator paid.
         ratio = rel * (1 + inp * 2.0**-22)
         if ratio.size and not ratio.max() <= p.eps + inp * 2.0**-23:
+            if WA is None:
+                WA = layer.a.block(r0, r1, device, raw_a)
             denom = np.sqrt((_host64(abs(WA) @ XabsT) ** 2).sum(axis=1))
             ratio = np.divide(dn, denom, out=np.where(dn > 0, np.inf, 0.0), where=denom > 0)
         s.ratio = float(ratio.max(initial=0.0))
@@ -565,7 +600,8 @@ def _blocks(a: Side, b: Side, plans: list[_Plan], device, inputs: dict):
 
 def _report(plan: _Plan, s: _Sums, inp: int, out: int) -> dict:
     rel = (s.d2 / max(s.a2, 1e-60)) ** 0.5
-    cosine = s.ab / max((s.a2 * s.b2) ** 0.5, 1e-60)
+    # Weights proven identical: Y_B is Y_A (the products were skipped, so the sums are partial).
+    cosine = 1.0 if s.settled in ("identical", "stored") else s.ab / max((s.a2 * s.b2) ** 0.5, 1e-60)
     tol = plan.tol
     if isinstance(tol, tuple):           # a requantized layer: its weight error is what convert reported
         _, reported = tol

@@ -28,12 +28,13 @@ import numpy as np
 
 from ..errors import CorruptCheckpoint, UnsupportedFormat, UsageError
 from ..formats import gptq_codec
+from ..formats.gptq import block_prefix
 from ..formats.checkpoint import Component
+from ..formats.registry import WriteContext, family as registered_family, target as registered_target, targets as registered_targets
 from ..formats.detect import METHOD_NAMES, Detection
 from ..formats.bnb_codec import STORAGE_CODES, encode_int8
 from ..formats.ir import QuantSpec, QuantTensor
-from ..formats.layout import QuantModule, natural_key
-from ..formats.packing import packed_length
+from ..formats.layout import QuantModule, examples, natural_key
 from ..formats.reader import model_dtype, read_module, require_decodable
 from ..formats.safetensors_header import DTYPES, FLOAT_DTYPES
 from ..formats.tensor_io import encode_float, read_array, to_float32
@@ -41,10 +42,12 @@ from .dequantize import dequantize_component
 from .engine import DEFAULT_MAX_SHARD, OutTensor, passthrough, run, write_component
 from .requantize import requantize
 
-INT_TARGETS = ("gptq", "gptq-v2", "auto-round", "bnb8")
+# The integer-coded targets are the format registry's (formats/registry.py: caps, leaves, encoder,
+# config); bitsandbytes' int8 and 4-bit writers and the float targets are written here.
+PACKED_TARGETS = tuple(t.name for t in registered_targets())
 BNB4_TARGETS = {"bnb4-nf4": "nf4", "bnb4-fp4": "fp4"}
 FLOAT_TARGETS = ("float16", "bfloat16", "float32")
-TARGETS = INT_TARGETS + tuple(BNB4_TARGETS) + FLOAT_TARGETS
+TARGETS = PACKED_TARGETS + ("bnb8",) + tuple(BNB4_TARGETS) + FLOAT_TARGETS
 SCALE_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 
 
@@ -69,6 +72,7 @@ class Stats:
     scales_rounded: int = 0
     max_scale_rel_error: float = 0.0
     layers: list[dict] = field(default_factory=list)       # requantized modules and their error
+    v1_zero: list[str] = field(default_factory=list)        # modules with a zero point of 0 written as v1
 
     def requantized(self, module: str, reason: str, source: str, target: str, err) -> None:
         self.layers.append({"module": module, "reason": reason, "from": source, "to": target,
@@ -92,6 +96,7 @@ class FloatSpec:
     name: str                        # "float16", "bfloat16", "float32"
     scheme: str = "float"
     group_size: int | None = None
+    scale_divisor: int = 1
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,7 @@ def _data_free_modules(comp: Component) -> list[QuantModule]:
     modules = []
     for name in _linear_modules(comp):
         info = comp.tensors[name + ".weight"]
-        if info.dtype in _FLOAT_NAMES and min(info.shape) > 0 and _block_prefix(name) \
+        if info.dtype in _FLOAT_NAMES and min(info.shape) > 0 and block_prefix(name) \
                 and not _VISION.search(name) and "embed" not in name.rsplit(".", 1)[-1]:
             out, inp = info.shape
             modules.append(QuantModule(name, "float", _FLOAT_NAMES[info.dtype], DTYPES[info.dtype][0], out, inp,
@@ -150,12 +155,56 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
     Requantized defaults are what vLLM runs: symmetric, no act-order; a code-book source keeps its
     block size as the group size when GPTQ kernels take it (32/64/128), else 128; a float source
     (data-free) gets 4-bit, group 128. A group must divide the module's input features."""
-    codebook = src.scheme != "int"
     if opts.to in BNB4_TARGETS:
         return _bnb4_target_spec(m, src, opts, comp)
     where = comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else None
     inp = m.in_features
+    if opts.to == "bnb8":
+        bits, group, sym, reason = _negotiate(m, src, opts, where, None)
+        if reason is None and (bits != 8 or src.group_size > 0 or not src.symmetric):
+            reason = (f"bitsandbytes int8 holds 8-bit symmetric codes with one scale per row; this module "
+                      f"has {src.bits}-bit {'sym' if src.symmetric else 'asym'} codes in groups of "
+                      f"{src.group_size}")
+        return QuantSpec("int", 8, -1, True, scale_divisor=127, scale_dtype="F32"), reason
+    tgt = registered_target(opts.to)
+    caps = tgt.caps
+    bits, group, sym, reason = _negotiate(m, src, opts, where, caps)
+    if reason is None and act_order and not caps.act_order:
+        reason = f"act-order groups become contiguous ({opts.to} stores no g_idx)"
+    if opts.scale_dtype:
+        scale_code = SCALE_CODES[opts.scale_dtype]
+        if scale_code not in caps.scale_dtypes:
+            raise UsageError(f"--scale-dtype {opts.scale_dtype}: {opts.to} stores scales as "
+                             f"{', '.join(sorted(caps.scale_dtypes))}", tensor=m.name, file=where)
+    elif src.scale_divisor != 1:
+        scale_code = caps.divisor_scale
+    elif reason or src.scale_dtype not in caps.scale_dtypes:
+        scale_code = "F16" if "F16" in caps.scale_dtypes else sorted(caps.scale_dtypes)[0]
+    else:
+        scale_code = src.scale_dtype
+    spec = QuantSpec("int", bits, -1 if group <= 0 else group, sym, scale_dtype=scale_code,
+                     zero_encoding="v2" if opts.to == "gptq-v2" else "v1" if tgt.family == "gptq" else None)
+    try:                                     # predicted leaves: the layout can hold the module's shape
+        tgt.leaves(spec, (m.out_features, inp), False)
+    except ValueError as exc:
+        raise UnsupportedFormat(f"a {m.out_features} x {inp} module cannot be stored as {bits}-bit "
+                                f"{registered_family(tgt.family).method} ({opts.to}): {exc}", tensor=m.name,
+                                file=where) from None
+    return spec, reason
+
+
+def _negotiate(m: QuantModule, src, opts: Options, where, caps) -> tuple[int, int, bool, str | None]:
+    """(bits, group, sym, reason) a module gets in an integer target: the request where given, else the
+    source's, fitted to the target's caps (None: bnb int8, checked by the caller); reason says why the
+    codes cannot be kept (None: they are)."""
+    codebook = src.scheme != "int"
+    inp = m.in_features
     bits = opts.bits or (4 if codebook else src.bits)
+    if caps is not None and bits not in caps.bits:
+        if opts.bits or caps.fallback_bits is None:
+            raise UsageError(f"{opts.to} stores {', '.join(map(str, sorted(caps.bits)))}-bit codes, not "
+                             f"{bits}-bit", tensor=m.name, file=where)
+        bits = caps.fallback_bits
     if opts.group_size is not None:
         group = opts.group_size
         if group > inp:
@@ -169,7 +218,27 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
         group = _default_group(src.group_size, inp)
     else:
         group = src.group_size
+    if caps is not None:
+        if group <= 0 and not caps.per_row:
+            if opts.group_size is not None:
+                raise UsageError(f"{opts.to} stores groups, not one scale per output row: give --group-size "
+                                 f"a divisor of {inp}", tensor=m.name, file=where)
+            group = _default_group(None, inp)
+            if group <= 0:
+                raise UnsupportedFormat(f"{opts.to} stores groups of 32, 64 or 128 inputs; none divides this "
+                                        f"module's {inp}", tensor=m.name, file=where)
+        elif group > 0 and not caps.grouped:
+            if opts.group_size is not None:
+                raise UsageError(f"{opts.to} stores one scale per output row: use --group-size -1",
+                                 tensor=m.name, file=where)
+            group = -1
     sym = (True if codebook else src.symmetric) if opts.sym is None else opts.sym
+    if caps is not None and not sym and not caps.asym:
+        if caps.asym_refusal:
+            raise UnsupportedFormat(caps.asym_refusal, tensor=m.name, file=where)
+        if opts.sym is False:
+            raise UsageError(f"{opts.to} stores symmetric codes only: drop --asym", tensor=m.name, file=where)
+        sym = True
     reason = None
     if src.scheme == "float":
         reason = f"{src.name} weights quantized data-free (no calibration data)"
@@ -181,28 +250,27 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
         reason = f"group size {src.group_size} becomes {group}"
     elif sym and not src.symmetric:
         reason = "asymmetric zero points become symmetric"
-    elif act_order and opts.to == "auto-round":
-        reason = "act-order groups become contiguous (auto-round stores no g_idx)"
-    if opts.to == "bnb8":
-        if reason is None and (bits != 8 or src.group_size > 0 or not src.symmetric):
-            reason = (f"bitsandbytes int8 holds 8-bit symmetric codes with one scale per row; this module "
-                      f"has {src.bits}-bit {'sym' if src.symmetric else 'asym'} codes in groups of "
-                      f"{src.group_size}")
-        return QuantSpec("int", 8, -1, True, scale_divisor=127, scale_dtype="F32"), reason
-    if opts.to == "auto-round" and not sym:
-        raise UnsupportedFormat("auto-round stores asymmetric integers as auto_round:auto_awq, a layout "
-                                "qconv does not write yet (its auto_gptq packing is loaded as symmetric); "
-                                "use --sym or --to gptq-v2", tensor=m.name, file=where)
-    try:                                     # qweight packs along in, qzeros along out
-        packed_length(inp, bits), packed_length(m.out_features, bits)
-    except ValueError as exc:
-        raise UnsupportedFormat(f"a {m.out_features} x {inp} module cannot be stored as {bits}-bit GPTQ "
-                                f"words: {exc}", tensor=m.name, file=where) from None
-    scale_code = SCALE_CODES[opts.scale_dtype] if opts.scale_dtype else (
-        "F16" if reason or src.scale_divisor != 1 else src.scale_dtype)
-    spec = QuantSpec("int", bits, -1 if group <= 0 else group, sym, scale_dtype=scale_code,
-                     zero_encoding="v2" if opts.to == "gptq-v2" else "v1")
-    return spec, reason
+    return bits, group, sym, reason
+
+
+def _one_group_size(comp: Component, modules: list[QuantModule], planned: dict, opts: Options) -> dict:
+    """For a target whose config holds one group size (AWQ): the group size most modules got, given to
+    the others too (requantized, with the reason said). Refused where it does not divide a module."""
+    sizes = Counter(spec.group_size for _, _, spec, _ in planned.values())
+    if len(sizes) <= 1:
+        return planned
+    group = sizes.most_common(1)[0][0]
+    out = dict(planned)
+    for m in modules:
+        src_spec, act_order, spec, _ = planned[m.name]
+        if spec.group_size != group:
+            if m.in_features % group:
+                raise UnsupportedFormat(f"{opts.to} stores one group size for the whole checkpoint; {group} (that "
+                                        f"of most modules) does not divide this module's {m.in_features} inputs",
+                                        tensor=m.name, file=comp.tensors[m.weight_tensors[0]].file)
+            out[m.name] = (src_spec, act_order, *_target_spec(m, src_spec, replace(opts, group_size=group), comp,
+                                                              act_order))
+    return out
 
 
 def _default_group(preferred: int | None, inp: int) -> int:
@@ -316,7 +384,7 @@ def _encode_bnb4(source: QuantTensor, spec: QuantSpec, lossy: str | None, keep_d
 
 def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, cache: _ModuleCache,
                     stats: Stats, src_dtype: str, with_g_idx: bool, lossy: str | None) -> list[OutTensor]:
-    out, inp, bits = m.out_features, m.in_features, spec.bits
+    out, inp = m.out_features, m.in_features
     source_dq = m.family == "bnb4" and m.details.get("double_quant", False)
     keep_dq = opts.to in BNB4_TARGETS and not lossy and source_dq and opts.double_quant is not False
     want_dq = opts.to in BNB4_TARGETS and (opts.double_quant if opts.double_quant is not None else
@@ -324,8 +392,9 @@ def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, c
     weight_dtype = m.details.get("dtype") or src_dtype
     # GPTQ targets always carry g_idx, as GPTQModel and AutoGPTQ write it (trivial, i // group, without
     # act-order): loaders that expect it get real values, and GPTQ -> v2 -> GPTQ is byte-identical.
-    # auto-round's own writer stores none, so auto-round targets carry one only for act-order.
-    write_g_idx = with_g_idx or opts.to in ("gptq", "gptq-v2")
+    # Others carry none (act-order was planned as a requantization where they cannot store it).
+    tgt = registered_target(opts.to) if opts.to in PACKED_TARGETS else None
+    write_g_idx = tgt is not None and (tgt.g_idx == "always" or with_g_idx)
 
     def encoded(st: Stats = stats):
         source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
@@ -343,14 +412,16 @@ def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, c
         else:
             qt = _retarget(source, spec, st)
         st.modules += 1
+        if spec.zero_encoding == "v1" and qt.zeros is not None and bool((qt.zeros == 0).any()):
+            st.v1_zero.append(m.name)
         if opts.to == "bnb8":
             return encode_int8(qt)
         if qt.g_idx is not None and not with_g_idx:
             raise _refuse(m, comp, f"act-order g_idx cannot be stored in {opts.to}")  # planned as lossy
-        tensors = gptq_codec.encode(qt, zero_encoding=spec.zero_encoding)
-        if not write_g_idx:
-            tensors.pop("g_idx")
-        return tensors
+        try:
+            return tgt.encode(qt, spec, write_g_idx)
+        except ValueError as exc:             # data the header-level plan could not see (zero points)
+            raise _refuse(m, comp, f"cannot be stored as {opts.to}: {exc}") from None
 
     def encoded_offset():
         quant_state = next(v for k, v in encoded(Stats()).items() if k.startswith("weight.quant_state."))[1]
@@ -389,19 +460,7 @@ def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, c
             tensors += [tensor("weight.nested_absmax", "F32", (-(-nb // nested),)),
                         tensor("weight.nested_quant_map", "F32", (256,))]
         return tensors + [tensor(f"weight.quant_state.bitsandbytes__{spec.scheme}", "U8", (len(blob),))]
-    groups = 1 if spec.group_size <= 0 else -(-inp // spec.group_size)
-    tensors = [tensor("qweight", "I32", (inp * bits // 32, out)),
-               tensor("qzeros", "I32", (groups, out * bits // 32)),
-               tensor("scales", spec.scale_dtype, (groups, out))]
-    if write_g_idx:
-        tensors.append(tensor("g_idx", "I32", (inp,)))
-    return tensors
-
-
-def _block_prefix(name: str) -> str | None:
-    """model.layers.3.mlp.up_proj -> model.layers (the stack a module sits in), None outside stacks."""
-    match = re.match(r"^(.*?)\.\d+\.", name)
-    return match.group(1) if match else None
+    return [tensor(leaf, dtype, shape) for leaf, (dtype, shape) in tgt.leaves(spec, (out, inp), write_g_idx).items()]
 
 
 def _linear_modules(comp: Component) -> list[str]:
@@ -427,10 +486,10 @@ def _quant_config(comp: Component, opts: Options, specs: dict[str, QuantSpec], d
                   dq: dict[str, bool] | None = None) -> dict:
     dq = dq or {}
     quantized = sorted(specs, key=natural_key)
+    src_qc = comp.config.get("quantization_config") if comp.config else None
     if opts.to in BNB4_TARGETS:
         spec = next(iter(specs.values()))
         skip = _skip_prefixes([n for n in _linear_modules(comp) if n not in specs], quantized)
-        src_qc = comp.config.get("quantization_config") if comp.config else None
         compute = (src_qc or {}).get("bnb_4bit_compute_dtype") or "float32"
         storage = {v: k for k, v in STORAGE_CODES.items()}
         return {"quant_method": "bitsandbytes", "load_in_8bit": False, "load_in_4bit": True,
@@ -447,32 +506,11 @@ def _quant_config(comp: Component, opts: Options, specs: dict[str, QuantSpec], d
                 "llm_int8_has_fp16_weight": False, "bnb_4bit_compute_dtype": "float32",
                 "bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": False,
                 "bnb_4bit_quant_storage": "uint8"}
-    common = Counter((s.bits, s.group_size, s.symmetric) for s in specs.values()).most_common(1)[0][0]
-    bits, group, sym = common
-    blocks = sorted({b for n in quantized if (b := _block_prefix(n))}, key=natural_key)
-    in_block = lambda n: any(n.startswith(b + ".") for b in blocks)  # noqa: E731
-    overrides = {n: {k: v for k, v in (("bits", s.bits), ("group_size", s.group_size), ("sym", s.symmetric))
-                     if (k, v) not in (("bits", bits), ("group_size", group), ("sym", sym)) or not in_block(n)}
-                 for n, s in specs.items()}
-    overrides = {n: o for n, o in overrides.items() if o}
-    skipped = [n for n in _linear_modules(comp) if n not in specs and in_block(n)]
-    config = {"bits": bits, "group_size": group, "sym": sym, "desc_act": desc_act}
-    if opts.to == "auto-round":
-        extra = {n: {**{"bits": bits, "group_size": group, "sym": sym, "data_type": "int"}, **o}
-                 if not in_block(n) else o for n, o in overrides.items()}
-        extra.update({n: {"bits": 16} for n in skipped})
-        config.update({"quant_method": "auto-round", "packing_format": "auto_round:auto_gptq",
-                       "data_type": "int", "block_name_to_quantize": ",".join(blocks)})
-        if extra:
-            config["extra_config"] = dict(sorted(extra.items(), key=lambda kv: natural_key(kv[0])))
-        return config
-    dynamic = {f"+:^{re.escape(n)}$": o for n, o in overrides.items()}
-    dynamic.update({f"-:^{re.escape(n)}$": {} for n in skipped})
-    config.update({"quant_method": "gptq", "checkpoint_format": "gptq_v2" if opts.to == "gptq-v2" else "gptq",
-                   "block_name_to_quantize": ",".join(blocks)})
-    if dynamic:
-        config["dynamic"] = dict(sorted(dynamic.items(), key=lambda kv: natural_key(kv[0])))
-    return config
+    unquantized = tuple(n for n in _linear_modules(comp) if n not in specs)
+    try:
+        return registered_target(opts.to).config(WriteContext(specs, unquantized, desc_act, src_qc))
+    except ValueError as exc:
+        raise UnsupportedFormat(f"cannot be written as {opts.to}: {exc}", file=comp.path) from None
 
 
 def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: int) -> dict:
@@ -486,13 +524,18 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
     specs: dict[str, QuantSpec] = {}
     outputs: dict[str, OutTensor] = {}
     src_cfg = gptq_codec.parse_config(det.qc) if det.qc and det.cfg_method in ("gptq", "auto-round") else {}
-    desc_act = bool(src_cfg.get("desc_act")) and opts.to != "auto-round"
+    desc_act = bool(src_cfg.get("desc_act")) and opts.to in PACKED_TARGETS and registered_target(opts.to).caps.act_order
     source_act_order = bool(src_cfg.get("desc_act"))
     act_order_kept, lossy_of = [], {}
+    planned = {}
     for m in modules:
         src_spec = _source_spec(comp, det, m, src_dtype)
         act_order = source_act_order and m.details.get("has_g_idx", False)
-        spec, lossy = _target_spec(m, src_spec, opts, comp, act_order)
+        planned[m.name] = (src_spec, act_order, *_target_spec(m, src_spec, opts, comp, act_order))
+    if opts.to in PACKED_TARGETS and registered_target(opts.to).caps.one_group_size:
+        planned = _one_group_size(comp, modules, planned, opts)
+    for m in modules:
+        src_spec, act_order, spec, lossy = planned[m.name]
         specs[m.name] = spec
         lossy_of[m.name] = lossy
         with_g_idx = desc_act and act_order and not lossy
@@ -509,6 +552,10 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
                        and opts.double_quant is not False) for m in modules}
     config["quantization_config"] = _quant_config(comp, opts, specs, bool(act_order_kept), double)
     written = write_component(comp, out_dir, plan, config, max_shard, f"converting {comp.name}")
+    if opts.to in PACKED_TARGETS and registered_target(opts.to).activations:
+        from ..formats.checkpoint import open_component
+        from .activation_cost import activation_cost
+        written["activation_cost"] = activation_cost(comp, det, modules, open_component(out_dir, comp.name))
     layers = sorted(stats.layers, key=lambda r: natural_key(r["module"]))
     sq, rtn = sum(r["sq_error"] for r in layers), sum(r["rtn_sq_error"] for r in layers)
     return {"component": comp.name, "from": det.method, "to": opts.to, "modules": stats.modules,
@@ -517,7 +564,19 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
             "max_scale_rel_error": stats.max_scale_rel_error,
             "max_rel_frobenius": max((r["rel_frobenius"] for r in layers), default=0.0),
             "sq_error_vs_rtn": round(sq / rtn, 4) if rtn else None, "layers": layers, **written,
-            "warnings": list(det.warnings)}
+            "warnings": list(det.warnings) + _v1_zero_warning(stats)}
+
+
+def _v1_zero_warning(stats: Stats) -> list[str]:
+    """GPTQ v1 stores z - 1, so a zero point of 0 is written as 2^b - 1: readers that add 1 field by field
+    (AutoGPTQ, vLLM's exllama path, transformers) get 0 back, GPTQModel's word-wise addition carries
+    into the next field and does not. Said per module, with the way out."""
+    if not stats.v1_zero:
+        return []
+    names = sorted(stats.v1_zero, key=natural_key)
+    return [f"{len(names)} modules have zero points of 0, which GPTQ v1 (stored z-1) writes as 2^bits-1: "
+            f"field-wise readers get 0 back, GPTQModel's word-wise decoding does not; --to gptq-v2 stores them "
+            f"exactly ({examples(names)})"]
 
 
 def _check_source(comp: Component, det: Detection, opts: Options) -> list[QuantModule]:
@@ -548,8 +607,7 @@ def _source_spec(comp, det: Detection, m: QuantModule, src_dtype: str) -> QuantS
         from ..formats.bnb_codec import CODEBOOKS
         return QuantSpec(m.scheme, 4, m.group_size, True, codebook=tuple(map(float, CODEBOOKS[m.scheme])),
                          storage=STORAGE_CODES.get(m.details.get("quant_storage"), "U8"))
-    settings = gptq_codec.per_module_settings(det.qc, m.name) if det.qc else None
-    sym = bool((settings or {}).get("sym", True))
+    sym = registered_family(m.family).symmetric(m, det.qc)
     group = -1 if m.details.get("groups") == 1 else (m.group_size or -1)
     return QuantSpec("int", m.bits, group, sym, scale_dtype=m.details.get("scales_dtype") or "F16")
 

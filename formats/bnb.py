@@ -27,8 +27,8 @@ import re
 from typing import Mapping
 
 from ..errors import CorruptCheckpoint
-from .layout import QuantModule
-from .safetensors_header import TensorInfo, read_small_tensors
+from .layout import QuantModule, common, examples
+from .safetensors_header import FLOAT_DTYPES, TensorInfo, read_small_tensors
 
 QS_PREFIX = ".weight.quant_state.bitsandbytes__"
 
@@ -223,4 +223,95 @@ def parse_config(qc: Mapping) -> dict:
             "compute_dtype": qc.get("bnb_4bit_compute_dtype")}
 
 
+def int8_settings(qc: Mapping | None, modules: list[QuantModule]) -> dict:
+    """inspect's settings of an LLM.int8 checkpoint."""
+    cfg = parse_config(qc) if qc else {"threshold": None, "skip_modules": None}
+    return {"threshold": cfg["threshold"], "skip_modules": cfg["skip_modules"],
+            "linear8bit_modules": [m.name for m in modules if m.scheme == "int8"]}
 
+
+def four_bit_settings(qc: Mapping | None, modules: list[QuantModule]) -> dict:
+    """inspect's settings of a bitsandbytes 4-bit checkpoint."""
+    cfg = parse_config(qc) if qc else {}
+    return {"quant_type": common(m.scheme for m in modules),
+            "blocksize": common(m.group_size for m in modules),
+            "double_quant": common(m.details["double_quant"] for m in modules),
+            "quant_storage": common(m.details["quant_storage"] for m in modules),
+            "original_dtype": common(m.details["dtype"] for m in modules),
+            "compute_dtype": cfg.get("compute_dtype"),
+            "skip_modules": cfg.get("skip_modules")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Config lint (inspect)
+
+def _suggest_prefix(names, key: str) -> str:
+    """The shortest dotted prefix ending in ``key`` among the names (``model.visual``)."""
+    best = None
+    for n in names:
+        parts = n.split(".")
+        for i, p in enumerate(parts):
+            if p == key:
+                cand = ".".join(parts[: i + 1])
+                if best is None or len(cand) < len(best):
+                    best = cand
+                break
+    return best or key
+
+
+def lint(qc: Mapping, modules: list[QuantModule], all_modules: set[str], comp, warnings: list[str]) -> None:
+    """What a bitsandbytes quantization_config gets wrong against its tensors, as warnings."""
+    cfg = parse_config(qc)
+    threshold = cfg["threshold"]
+    if not isinstance(threshold, float):
+        fix = (f" (write {float(threshold)!r})" if isinstance(threshold, int) and not isinstance(threshold, bool)
+               else "")
+        warnings.append(f"llm_int8_threshold is {threshold!r}, not a float: transformers raises TypeError "
+                        f"when it loads this config{fix}")
+    skip = cfg["skip_modules"]
+    quantized = [m.name for m in modules]
+    if skip is not None and not isinstance(skip, list):
+        warnings.append(f"llm_int8_skip_modules is {type(skip).__name__}, transformers needs a list")
+        skip = None
+    for key in skip or []:
+        if not isinstance(key, str):
+            warnings.append(f"llm_int8_skip_modules entry {key!r} is not a string")
+            continue
+        skipped_quantized = [m for m in quantized if skipped_by_transformers5(m, key)]
+        if skipped_quantized:
+            warnings.append(
+                f"config and tensors disagree: llm_int8_skip_modules entry {key!r} tells "
+                f"transformers >= 5 not to quantize {len(skipped_quantized)} modules that are stored "
+                f"quantized ({examples(skipped_quantized)})")
+        if any(skipped_by_transformers5(m, key) for m in all_modules):
+            continue
+        meant = [m for m in quantized if skipped_by_transformers4(m, key)]
+        if meant:
+            prefix = _suggest_prefix(meant, key)
+            warnings.append(
+                f"llm_int8_skip_modules entry {key!r} matches no module under transformers >= 5 rules "
+                f"(entries match from the start of the module name, or as a suffix), yet "
+                f"{len(meant)} quantized modules contain {key!r} ({examples(meant)}): they were "
+                f"quantized, probably against intent (transformers 4.x skipped them). To keep them "
+                f"unquantized, requantize with the full prefix {prefix!r}")
+    if skip is not None and "lm_head" in all_modules and "lm_head" not in quantized:
+        head = comp.tensors.get("lm_head.weight")
+        if head is not None and head.dtype in FLOAT_DTYPES and not any(
+                isinstance(k, str) and skipped_by_transformers5("lm_head", k) for k in skip):
+            warnings.append("lm_head is stored unquantized but llm_int8_skip_modules does not list it; "
+                            "with an explicit list transformers does not add lm_head itself and will "
+                            "try to quantize it on load: add 'lm_head'")
+    fours = [m for m in modules if m.family == "bnb4"]
+    if fours:
+        types = sorted({m.scheme for m in fours})
+        if cfg["quant_type"] not in types:
+            warnings.append(f"config bnb_4bit_quant_type is {cfg['quant_type']!r} but the tensors are "
+                            f"{'/'.join(types)}")
+        dq = {m.details["double_quant"] for m in fours}
+        if dq != {cfg["double_quant"]}:
+            warnings.append(f"config bnb_4bit_use_double_quant is {cfg['double_quant']} but the "
+                            f"tensors {'mix both' if len(dq) > 1 else 'say ' + str(dq.pop())}")
+        storages = {m.details["quant_storage"] for m in fours}
+        if storages != {cfg["quant_storage"]}:
+            warnings.append(f"config bnb_4bit_quant_storage is {cfg['quant_storage']!r} but the packed "
+                            f"weights are stored as {'/'.join(sorted(map(str, storages)))}")

@@ -42,6 +42,22 @@ def check_int8(m: QuantModule, tensors: Mapping[str, TensorInfo]) -> None:
         raise _module_error(m, tensors)
 
 
+def check_int8_module(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> None:
+    check_int8(m, tensors)
+
+
+def check_4bit_module(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> None:
+    check_4bit(m, tensors)
+
+
+def read_int8_module(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, dtype: str) -> QuantTensor:
+    return read_int8(m, tensors, dtype)
+
+
+def read_4bit_module(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, dtype: str) -> QuantTensor:
+    return read_4bit(m, tensors)
+
+
 def read_int8(m: QuantModule, tensors: Mapping[str, TensorInfo], dtype: str) -> QuantTensor:
     """LLM.int8: codes CB + 128 against zero point 128, scale SCB with divisor 127 (bnb's order)."""
     check_int8(m, tensors)

@@ -6,14 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from . import bnb, gptq
+from . import bnb
 from .checkpoint import Component
 from .layout import QuantModule, natural_key
+from .registry import decoded_config_methods, families, family
 from .safetensors_header import TensorInfo
 
-METHOD_NAMES = {"bnb8": "bitsandbytes LLM.int8", "bnb4": "bitsandbytes 4-bit", "gptq": "GPTQ",
-                "auto-round": "auto-round", None: "unquantized"}
-DECODED_METHODS = frozenset(METHOD_NAMES) | {"bitsandbytes"}   # config methods qconv reads
+# Report names of families and config methods (a config method that is not a family's name, such as
+# auto-round, names itself).
+METHOD_NAMES = {**{f.name: f.method for f in families()}, "auto-round": "auto-round",
+                "compressed-tensors": "compressed-tensors", None: "unquantized"}
+DECODED_METHODS = decoded_config_methods()   # config methods qconv reads
 
 # Leaves only quantization writes: packed codes and their state, in bitsandbytes, GPTQ / AWQ,
 # compressed-tensors and fp8 checkpoints. One that no decoded module claims is data no writer can
@@ -87,11 +90,7 @@ def detect(comp: Component) -> Detection:
     qc, qc_source = quant_config(comp, warnings)
     cfg_method = config_method(qc)
 
-    modules = bnb.find_int8_modules(tensors) + bnb.find_4bit_modules(tensors)
-    if cfg_method in (None, "gptq", "auto-round"):
-        fallback = ((lambda name: (gptq.per_module_settings(qc, name) or {}).get("bits"))
-                    if qc else None)
-        modules += gptq.find_modules(tensors, fallback)
+    modules = [m for f in families() if f.claims(cfg_method, qc) for m in f.find(tensors, qc)]
     modules.sort(key=lambda m: natural_key(m.name))
     unaccounted = unaccounted_tensors(
         tensors, {t for m in modules for t in m.weight_tensors + m.state_tensors})
@@ -99,16 +98,17 @@ def detect(comp: Component) -> Detection:
         warnings.append(f"quant_method {cfg_method!r} is not a format qconv decodes; its packed "
                         f"tensors are listed as stored, not as quantized modules")
 
-    families = {("auto-round" if m.family == "gptq" and cfg_method == "auto-round" else m.family)
-                for m in modules}
-    if len(families) > 1:
-        method = "mixed: " + ", ".join(METHOD_NAMES[f] for f in sorted(families))
+    # auto-round is one config language over two packings (GPTQ's, AWQ's): reported as auto-round.
+    found = {("auto-round" if cfg_method == "auto-round" and cfg_method in family(m.family).config_methods
+              else m.family) for m in modules}
+    if len(found) > 1:
+        method = "mixed: " + ", ".join(METHOD_NAMES[f] for f in sorted(found))
         warnings.append(f"modules of several methods in one checkpoint ({method[7:]}); no loader "
                         f"reads that")
-    elif families:
-        method = METHOD_NAMES[families.pop()]
-    elif cfg_method in METHOD_NAMES or cfg_method == "bitsandbytes":
+    elif found:
+        method = METHOD_NAMES[found.pop()]
+    elif cfg_method in DECODED_METHODS:
         method = "unquantized"
     else:
-        method = cfg_method  # a method qconv does not decode (awq, compressed-tensors, fp8, ...)
+        method = cfg_method  # a method qconv does not decode (fp8, ...)
     return Detection(qc, qc_source, cfg_method, method, tuple(modules), tuple(warnings), unaccounted)

@@ -15,9 +15,10 @@ Stdlib only, so `inspect` stays light; decoding the data is gptq_codec.py.
 from __future__ import annotations
 
 import re
+from collections import Counter, defaultdict
 from typing import Mapping
 
-from .layout import QuantModule, int_scheme
+from .layout import QuantModule, common, examples, int_scheme, natural_key
 from .safetensors_header import DTYPES, TensorInfo
 
 STATE_LEAVES = ("qzeros", "scales", "g_idx")
@@ -25,15 +26,19 @@ _WORD_DTYPES = {"I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64"}
 _SCALE_DTYPES = {"F16", "BF16", "F32"}
 
 
+def qweight_modules(tensors: Mapping[str, TensorInfo]):
+    """(module, qweight, qzeros, scales) of every module with a ``.qweight`` (GPTQ and AWQ name their
+    tensors alike; absent ones are None)."""
+    for name, qweight in tensors.items():
+        if name.endswith(".qweight"):
+            prefix = name[: -len(".qweight")]
+            yield prefix, qweight, tensors.get(prefix + ".qzeros"), tensors.get(prefix + ".scales")
+
+
 def find_modules(tensors: Mapping[str, TensorInfo], fallback_bits=None) -> list[QuantModule]:
     """``fallback_bits(module)`` gives the configured width for a module without qzeros."""
     modules = []
-    for name, qweight in tensors.items():
-        if not name.endswith(".qweight"):
-            continue
-        prefix = name[: -len(".qweight")]
-        qzeros = tensors.get(prefix + ".qzeros")
-        scales = tensors.get(prefix + ".scales")
+    for prefix, qweight, qzeros, scales in qweight_modules(tensors):
         g_idx = tensors.get(prefix + ".g_idx")
         problems = []
         if qweight.dtype not in _WORD_DTYPES or len(qweight.shape) != 2:
@@ -83,7 +88,7 @@ def find_modules(tensors: Mapping[str, TensorInfo], fallback_bits=None) -> list[
         state = tuple(prefix + "." + leaf for leaf in STATE_LEAVES if prefix + "." + leaf in tensors)
         details = {"groups": groups, "has_g_idx": g_idx is not None,
                    "scales_dtype": scales.dtype if scales is not None else None}
-        modules.append(QuantModule(prefix, "gptq", int_scheme(bits), bits, out, inp, (name,), state,
+        modules.append(QuantModule(prefix, "gptq", int_scheme(bits), bits, out, inp, (qweight.name,), state,
                                    group_size=group_size, details=details, problems=tuple(problems)))
     return modules
 
@@ -209,3 +214,140 @@ def unmatched_extra_config(qc: Mapping, module_names) -> list[str]:
         pattern = key[2:] if key[:2] in ("+:", "-:") else key
         bad.append(_pattern_problem("dynamic", key, pattern, names, anchored=True))
     return [b for b in bad if b]
+
+
+def find_in_checkpoint(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[QuantModule]:
+    """find_modules with the config's bit width as the fallback for modules without qzeros."""
+    fallback = (lambda name: (per_module_settings(qc, name) or {}).get("bits")) if qc else None
+    return find_modules(tensors, fallback)
+
+
+def settings(qc: Mapping | None, modules: list[QuantModule]) -> dict:
+    """inspect's settings of a GPTQ-packed checkpoint (GPTQ, auto-round): the config's, else what the
+    shapes say; act-order modules and the scales' dtype."""
+    out = parse_config(qc) if qc else {}
+    if not out:
+        group_sizes = {m.group_size for m in modules}
+        out = {"bits": common(m.bits for m in modules),
+               "group_size": group_sizes.pop() if len(group_sizes) == 1 else None}
+    out["act_order_modules"] = sum(1 for m in modules if m.details.get("has_g_idx")) if out.get("desc_act") else 0
+    out["scales_dtype"] = common(DTYPES[m.details["scales_dtype"]][1] for m in modules
+                                 if m.details.get("scales_dtype"))
+    return out
+
+
+def lint(qc: Mapping, modules: list[QuantModule], all_modules: set[str], comp, warnings: list[str]) -> None:
+    """What a GPTQ / auto-round quantization_config gets wrong against its packed modules."""
+    packed = [m for m in modules if m.family == "gptq"]
+    if packed:
+        _lint(qc, packed, all_modules, settings(qc, packed), warnings)
+
+
+def _lint(qc: Mapping, modules: list[QuantModule], all_modules: set[str],
+          settings: Mapping, warnings: list[str]) -> None:
+    by_kind: dict[str, list[str]] = defaultdict(list)
+    for m in modules:
+        want = per_module_settings(qc, m.name)
+        if want is None:
+            by_kind["the config says not to quantize, but they are stored quantized"].append(m.name)
+            continue
+        if isinstance(want["bits"], int) and m.bits and want["bits"] != m.bits:
+            by_kind[f"the config asks for {want['bits']}-bit but the shapes hold {m.bits}-bit codes"
+                    ].append(m.name)
+        gs = want["group_size"]
+        groups = m.details.get("groups")
+        if isinstance(gs, int) and groups and m.in_features:
+            expected = 1 if gs <= 0 else -(-m.in_features // gs)
+            if groups != expected:
+                found = f"group size {m.group_size}" if m.group_size else f"{groups} groups"
+                by_kind[f"the config's group_size {gs} does not fit the scales, which hold {found}"
+                        ].append(m.name)
+    for kind, names in by_kind.items():
+        warnings.append(f"config and tensors disagree on {len(names)} modules: {kind} "
+                        f"({examples(names)})")
+    warnings.extend(unmatched_extra_config(qc, sorted(all_modules)))
+    if settings.get("desc_act"):
+        missing = [m.name for m in modules if not m.details.get("has_g_idx")]
+        if missing:
+            warnings.append(f"desc_act is true but {len(missing)} modules have no g_idx "
+                            f"({examples(missing)})")
+    fmt = settings.get("checkpoint_format")
+    if fmt is not None and fmt not in GPTQ_FORMATS:
+        warnings.append(f"checkpoint_format {fmt!r} is a kernel-specific repack; qconv reads gptq and "
+                        f"gptq_v2")
+    pf = settings.get("packing_format")
+    if pf is not None and pf not in AUTO_ROUND_READABLE:
+        warnings.append(f"packing_format {pf!r} is not a GPTQ layout; qconv reads "
+                        f"{', '.join(AUTO_ROUND_READABLE)}")
+    if settings.get("sym") is False and settings.get("zero_point") == "stored z-1 (v1)":
+        warnings.append("asymmetric with v1 zero points (stored z-1): a zero point of 0 cannot be "
+                        "stored exactly, and vLLM >= 0.33 runs no asymmetric GPTQ")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing (the GPTQ, GPTQ v2 and auto-round targets; encoding is gptq_codec.encode_for)
+
+def _words(n_codes: int, bits: int, what: str) -> int:
+    """32-bit words for n_codes along a packed axis (ValueError where the layout cannot hold them)."""
+    if 32 % bits == 0:
+        if n_codes % (32 // bits):
+            raise ValueError(f"{n_codes} {what} of {bits} bits do not fill whole 32-bit words")
+        return n_codes * bits // 32
+    if n_codes % 32:
+        raise ValueError(f"{bits}-bit packing needs a multiple of 32 {what}, got {n_codes}")
+    return n_codes // 32 * bits
+
+
+def leaves(spec, shape: tuple[int, int], g_idx: bool) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """leaf -> (dtype, shape) of what gptq_codec.encode stores: qweight packed along in, qzeros along out."""
+    out, inp = shape
+    groups = 1 if spec.group_size <= 0 else -(-inp // spec.group_size)
+    res = {"qweight": ("I32", (_words(inp, spec.bits, "input features"), out)),
+           "qzeros": ("I32", (groups, _words(out, spec.bits, "output features"))),
+           "scales": (spec.scale_dtype, (groups, out))}
+    if g_idx:
+        res["g_idx"] = ("I32", (inp,))
+    return res
+
+
+def block_prefix(name: str) -> str | None:
+    """model.layers.3.mlp.up_proj -> model.layers (the stack a module sits in), None outside stacks."""
+    match = re.match(r"^(.*?)\.\d+\.", name)
+    return match.group(1) if match else None
+
+
+def config_writer(target: str):
+    """The quantization_config writer of a GPTQ-family target: GPTQModel's dialect (checkpoint_format,
+    dynamic overrides) for gptq / gptq-v2, auto-round's (packing_format auto_round:auto_gptq,
+    extra_config) for auto-round. The most common (bits, group, sym) is the default; other modules
+    and the unquantized Linears of the decoder stacks are listed by exact name."""
+    def config(ctx) -> dict:
+        specs = ctx.specs
+        quantized = sorted(specs, key=natural_key)
+        common_spec = Counter((s.bits, s.group_size, s.symmetric) for s in specs.values()).most_common(1)[0][0]
+        bits, group, sym = common_spec
+        blocks = sorted({b for n in quantized if (b := block_prefix(n))}, key=natural_key)
+        in_block = lambda n: any(n.startswith(b + ".") for b in blocks)  # noqa: E731
+        overrides = {n: {k: v for k, v in (("bits", s.bits), ("group_size", s.group_size), ("sym", s.symmetric))
+                         if (k, v) not in (("bits", bits), ("group_size", group), ("sym", sym)) or not in_block(n)}
+                     for n, s in specs.items()}
+        overrides = {n: o for n, o in overrides.items() if o}
+        skipped = [n for n in ctx.unquantized if in_block(n)]
+        cfg = {"bits": bits, "group_size": group, "sym": sym, "desc_act": ctx.act_order}
+        if target == "auto-round":
+            extra = {n: {**{"bits": bits, "group_size": group, "sym": sym, "data_type": "int"}, **o}
+                     if not in_block(n) else o for n, o in overrides.items()}
+            extra.update({n: {"bits": 16} for n in skipped})
+            cfg.update({"quant_method": "auto-round", "packing_format": "auto_round:auto_gptq",
+                        "data_type": "int", "block_name_to_quantize": ",".join(blocks)})
+            if extra:
+                cfg["extra_config"] = dict(sorted(extra.items(), key=lambda kv: natural_key(kv[0])))
+            return cfg
+        dynamic = {f"+:^{re.escape(n)}$": o for n, o in overrides.items()}
+        dynamic.update({f"-:^{re.escape(n)}$": {} for n in skipped})
+        cfg.update({"quant_method": "gptq", "checkpoint_format": "gptq_v2" if target == "gptq-v2" else "gptq",
+                    "block_name_to_quantize": ",".join(blocks)})
+        if dynamic:
+            cfg["dynamic"] = dict(sorted(dynamic.items(), key=lambda kv: natural_key(kv[0])))
+        return cfg
+    return config

@@ -10,7 +10,7 @@ from ..errors import CorruptCheckpoint, UnsupportedFormat
 from .gptq import AUTO_ROUND_READABLE, GPTQ_FORMATS, parse_config, per_module_settings
 from .ir import QuantSpec, QuantTensor
 from .layout import QuantModule
-from .packing import pack_int32, unpack_int32
+from .packing import pack_int32, unpack_int32, unpack_int32_transposed
 from .safetensors_header import TensorInfo
 from .tensor_io import encode_float, finite_scales, read_array, to_float32
 
@@ -70,19 +70,16 @@ def check(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None)
                                 file=qweight.file, tensor=qweight.name)
 
 
-def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None,
-         dtype: str, *, contiguous: bool = True) -> QuantTensor:
-    """The module as a QuantTensor. contiguous=False leaves the codes as a transposed view of GPTQ's
-    [in, out] order (no host-side transposition, for a consumer that transposes on its device)."""
+def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, dtype: str) -> QuantTensor:
+    """The module as a QuantTensor (codes [out, in], contiguous: GPTQ's [in, out] words are transposed
+    as words, before unpacking, the cheap way round)."""
     check(m, tensors, qc)
     qweight = tensors[m.name + ".qweight"]
     bits, out, inp = m.bits, m.out_features, m.in_features
     encoding, word_carry = zero_decoding(qc)
     settings = (per_module_settings(qc, m.name) if qc else None) or {}
     groups = m.details["groups"]
-    codes = unpack_int32(read_array(qweight), bits, axis=0).T                          # [out, in]
-    if contiguous:
-        codes = np.ascontiguousarray(codes)
+    codes = unpack_int32_transposed(read_array(qweight), bits)                         # [out, in]
     zeros_info, scales_info = tensors[m.name + ".qzeros"], tensors[m.name + ".scales"]
     zeros = _decode_zeros(read_array(zeros_info), bits, encoding, word_carry)[:, :out]
     scales = finite_scales(to_float32(read_array(scales_info), scales_info.dtype), scales_info)
@@ -126,3 +123,11 @@ def encode(qt: QuantTensor, *, zero_encoding: str = "v1") -> dict[str, tuple[str
             "qzeros": ("I32", pack_int32(np.ascontiguousarray(zeros.T.astype(np.uint8)), bits, axis=1)),
             "scales": (spec.scale_dtype, encode_float(np.ascontiguousarray(qt.scales.T), spec.scale_dtype)),
             "g_idx": ("I32", qt.groups.astype(np.int32))}
+
+
+def encode_for(target: str, qt: QuantTensor, spec: QuantSpec, g_idx: bool) -> dict[str, tuple[str, np.ndarray]]:
+    """The registry's encoder of the GPTQ-family targets (gptq, gptq-v2, auto-round)."""
+    tensors = encode(qt, zero_encoding=spec.zero_encoding)
+    if not g_idx:
+        tensors.pop("g_idx")
+    return tensors

@@ -55,3 +55,19 @@ def natural_key(name: str):
 
 def module_of(tensor_name: str) -> str:
     return tensor_name.rpartition(".")[0]
+
+
+MAX_EXAMPLES = 3
+
+
+def examples(names) -> str:
+    """A few names in natural order, for a warning: 'a, b, c, ... (12 in all)'."""
+    names = sorted(names, key=natural_key)
+    more = f", ... ({len(names)} in all)" if len(names) > MAX_EXAMPLES else ""
+    return ", ".join(names[:MAX_EXAMPLES]) + more
+
+
+def common(values):
+    """The one value all share (None ignored), else the sorted distinct values, else None."""
+    values = {v for v in values if v is not None}
+    return values.pop() if len(values) == 1 else (sorted(values) if values else None)

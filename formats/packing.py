@@ -64,6 +64,25 @@ def unpack_int32(words: np.ndarray, bits: int, axis: int = 0) -> np.ndarray:
     return np.moveaxis(codes.astype(np.uint8), 0, axis)
 
 
+def unpack_int32_transposed(words: np.ndarray, bits: int) -> np.ndarray:
+    """Words packed along axis 0, [n_words, m] -> contiguous uint8 codes [m, n_codes]: the transpose of
+    unpack_int32(words, bits, axis=0), made by transposing the 32-bit words first (32/b codes moved at
+    once, the cheap transposition) and unpacking along the now contiguous last axis. For b in {2, 4, 8}
+    a little-endian word's codes are its bytes' fields, low field first, so unpacking is byte arithmetic."""
+    wt = np.ascontiguousarray(np.asarray(words).view(np.uint32).T)          # [m, n_words]
+    if bits == 8:
+        return wt.view(np.uint8)                                            # byte j of word k: code 4k + j
+    if bits in (2, 4):
+        b = wt.view(np.uint8)                                               # [m, 4 n_words]
+        per = 8 // bits
+        mask = np.uint8((1 << bits) - 1)
+        out = np.empty(b.shape[:-1] + (b.shape[-1] * per,), dtype=np.uint8)
+        for j in range(per):
+            np.bitwise_and(b >> np.uint8(j * bits) if j else b, mask, out=out[..., j::per])
+        return out
+    return np.ascontiguousarray(unpack_int32(wt, bits, axis=1))
+
+
 def _pack_bytes_le(c: np.ndarray, bits: int) -> np.ndarray:
     """bits in {2, 4, 8}: fold codes into bytes LSB-first along axis 0, then read each run of 4 bytes
     as one little-endian word: the LSB-first bitstream, built with byte moves instead of 32-bit shifts."""

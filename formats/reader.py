@@ -4,13 +4,13 @@ and before anything is written, whether it can be decoded at all (require_decoda
 
 from __future__ import annotations
 
-from . import bnb_codec, gptq_codec
 from ..errors import CorruptCheckpoint, UnsupportedFormat
 from .bnb import FLOAT_NAMES
 from .checkpoint import Component
 from .detect import DECODED_METHODS, Detection, detect
 from .ir import QuantTensor
 from .layout import QuantModule, module_of
+from .registry import families, family
 
 
 def require_decodable(comp: Component) -> Detection:
@@ -24,12 +24,13 @@ def require_decodable(comp: Component) -> Detection:
     tensors = comp.tensors
     if det.cfg_method not in DECODED_METHODS:
         raise UnsupportedFormat(f"quant_method {det.cfg_method!r} is not a method qconv decodes (it reads "
-                                f"bitsandbytes int8 and 4-bit, GPTQ and auto-round); refusing to write it "
-                                f"as anything else", file=comp.path / det.qc_source)
-    packed = [m for m in det.modules if m.family == "gptq"]
+                                f"{', '.join(f.method for f in families())} and auto-round); refusing to "
+                                f"write it as anything else", file=comp.path / det.qc_source)
+    packed = [m for m in det.modules if family(m.family).needs_config]
     if packed and det.qc is None:
         first = tensors[packed[0].weight_tensors[0]]
-        raise CorruptCheckpoint("packed GPTQ codes, but neither config.json's quantization_config nor a "
+        raise CorruptCheckpoint(f"packed {family(packed[0].family).method} codes, but neither config.json's "
+                                "quantization_config nor a "
                                 "quantize_config.json says how they were written (zero-point format, "
                                 "symmetry, bits); no loader reads them as quantized", file=first.file,
                                 tensor=first.name)
@@ -63,12 +64,7 @@ def _unaccounted_problem(name: str, tensors) -> str:
 
 def check_module(det: Detection, m: QuantModule, tensors) -> None:
     """Refuse, from headers, a module that read_module could not decode exactly."""
-    if m.family == "bnb8":
-        bnb_codec.check_int8(m, tensors)
-    elif m.family == "bnb4":
-        bnb_codec.check_4bit(m, tensors)
-    else:
-        gptq_codec.check(m, tensors, det.qc)
+    family(m.family).check(m, tensors, det.qc)
 
 
 def model_dtype(comp: Component, det: Detection) -> str:
@@ -80,17 +76,10 @@ def model_dtype(comp: Component, det: Detection) -> str:
         if value in FLOAT_NAMES:
             return value
     for m in det.modules:
-        if m.family == "bnb4" and m.details.get("dtype") in FLOAT_NAMES:
+        if m.details.get("dtype") in FLOAT_NAMES:
             return m.details["dtype"]
     return "float16"
 
 
-def read_module(comp: Component, det: Detection, m: QuantModule, dtype: str, *,
-                contiguous: bool = True) -> QuantTensor:
-    """contiguous=False: codes may be a transposed view (GPTQ), for consumers that slice and
-    transpose on their own device."""
-    if m.family == "bnb8":
-        return bnb_codec.read_int8(m, comp.tensors, dtype)
-    if m.family == "bnb4":
-        return bnb_codec.read_4bit(m, comp.tensors)
-    return gptq_codec.read(m, comp.tensors, det.qc, dtype, contiguous=contiguous)
+def read_module(comp: Component, det: Detection, m: QuantModule, dtype: str) -> QuantTensor:
+    return family(m.family).read(m, comp.tensors, det.qc, dtype)

@@ -18,8 +18,11 @@ from qconv.inspection import inspect_path
 from conftest import CHECKPOINTS, QUANTIZED
 
 TARGETS = {"gptq": "GPTQ", "gptq-v2": "GPTQ", "auto-round": "auto-round", "bnb8": "bitsandbytes LLM.int8",
-           "bnb4-nf4": "bitsandbytes 4-bit", "bnb4-fp4": "bitsandbytes 4-bit", "float16": "unquantized"}
-REFUSED = {("llama-gptq-w4g64-asym", "auto-round")}
+           "bnb4-nf4": "bitsandbytes 4-bit", "bnb4-fp4": "bitsandbytes 4-bit", "float16": "unquantized",
+           "compressed-tensors": "compressed-tensors", "compressed-tensors-w8a8": "compressed-tensors",
+           "awq": "AWQ"}
+ASYMMETRIC = ("llama-gptq-w4g64-asym", "llama-awq-w4g128", "llama-ct-w4a16-asym")
+REFUSED = {(name, "auto-round") for name in ASYMMETRIC}
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
@@ -37,7 +40,7 @@ def test_every_checkpoint_to_every_target(tmp_path, name, target):
     (report,) = inspect_path(out)["components"]
     assert report["method"] == TARGETS[target]
     expected = []
-    if name == "llama-gptq-w4g64-asym" and target == "gptq":      # asym stays asym; v1 is flagged
+    if name in ASYMMETRIC and target == "gptq":      # asym stays asym; v1 is flagged
         expected = [w for w in report["warnings"] if w.startswith("asymmetric with v1 zero points")]
     assert report["warnings"] == expected
     (source,) = inspect_path(CHECKPOINTS / name)["components"]

@@ -76,9 +76,10 @@ def test_cli_output_equals_oracle_at_producer_dtype_and_float32_is_unrounded(tmp
         assert f32[key].dtype == torch.float32
         assert torch.equal(f32[key].to(getattr(torch, dtype)).float(), ref), key
         rounded += int((f32[key] != ref).sum())
-    if dtype != "float32" and "-w2g" not in name:
-        # float32 output keeps what the producer's fp16 rounding drops (2-bit products (q-z)*s with
-        # |q-z| <= 2 are exact in fp16, so there is nothing to keep there).
+    if dtype != "float32" and "-w2g" not in name and name != "llama-awq-w4g64-sym":
+        # float32 output keeps what the producer's fp16 rounding drops. Nothing to keep where every
+        # product (q-z)*s is exact in fp16: 2-bit (|q-z| <= 2), and symmetric AWQ with bfloat16 scales
+        # (8 significant bits times |q-8| <= 8, at most 3 more bits: 11, fp16's precision).
         assert rounded > 0
 
 
@@ -88,9 +89,12 @@ def test_cli_output_equals_oracle_at_producer_dtype_and_float32_is_unrounded(tmp
 # - bitsandbytes int8: LLM.int8 quantizes activations to int8 per row (error up to 1/254 of each row's
 #   absmax per element) and computes outlier columns in fp16: measured 1.3 % (llama), 1.7 % (qwen3vl).
 # - bitsandbytes 4-bit: computes in bnb_4bit_compute_dtype (bf16 for nf4: 8-bit mantissa): 0.7 %.
-# - GPTQ / auto-round: fp16/bf16 kernels: 0.04-0.9 % depending on the output dtype.
+# - GPTQ / auto-round / compressed-tensors weight-only: fp16/bf16 kernels: 0.04-0.9 % depending on the
+#   output dtype.
+# - compressed-tensors W8A8: int8 activations per token (dynamic), like LLM.int8 without its outlier
+#   path: measured 1.8 %.
 # A decoding error is an order of magnitude larger: a zero point off by one in every group gives ~30 %.
-TOLERANCE = {"bitsandbytes": 0.03, "gptqmodel": 0.015, "auto-round": 0.015}
+TOLERANCE = {"bitsandbytes": 0.03, "gptqmodel": 0.015, "auto-round": 0.015, "llm-compressor": 0.015}
 
 
 @pytest.mark.parametrize("name", QUANTIZED)
@@ -113,7 +117,7 @@ def test_dequantized_folder_loads_in_plain_transformers(tmp_path, name):
     with torch.no_grad():
         logits = model(input_ids=oracle["input_ids"]).logits.float()
     rel = ((logits - oracle["logits"]).norm() / oracle["logits"].norm()).item()
-    assert rel < TOLERANCE[_producer(name)], rel
+    assert rel < (0.03 if name.endswith("-w8a8") else TOLERANCE[_producer(name)]), rel
 
 
 def test_sharded_output_with_index_loads_identically(tmp_path):

@@ -43,6 +43,12 @@ def _expected_scheme(name, module):
     s = prov["settings"]
     if prov["producer"] == "bitsandbytes":
         return "int8" if s.get("load_in_8bit") == "True" else s["bnb_4bit_quant_type"]
+    if prov["producer"] == "llm-compressor":         # a preset, or config groups with re: / class targets
+        if "scheme" in s:
+            return {"W4A16": "int4", "W4A16_ASYM": "int4", "W8A16": "int8", "W8A8": "int8"}[json.loads(s["scheme"])]
+        for group in json.loads(s["config_groups"]).values():
+            if any(t == "Linear" or re.match(t[3:], module) for t in group["targets"]):
+                return f"int{group['weights']['num_bits']}"
     layer_config = ast.literal_eval(s.get("layer_config", "{}"))
     return f"int{layer_config.get(module, {}).get('bits', int(s['bits']))}"
 

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from qconv.formats.safetensors_header import read_header
 
-from conftest import inspect_json
+from conftest import inspect_json, run_qconv
 
 
 def _edit_config(folder, fn, name="config.json"):
@@ -152,10 +152,21 @@ def test_non_row_weight_format(tmp_checkpoint):
 
 def test_config_with_unsupported_method_is_named(tmp_checkpoint):
     ckpt = tmp_checkpoint("llama-gptq-w8g128")
-    _edit_config(ckpt, lambda c: c["quantization_config"].update(quant_method="awq"))
+    _edit_config(ckpt, lambda c: c["quantization_config"].update(quant_method="fp8"))
     (report,) = inspect_json(ckpt)["components"]
-    assert report["method"] == "awq"
-    _one(report["warnings"], "'awq' is not a format qconv decodes")
+    assert report["method"] == "fp8"
+    _one(report["warnings"], "'fp8' is not a format qconv decodes")
+
+
+def test_gptq_tensors_under_an_awq_config_do_not_pass_for_awq(tmp_checkpoint):
+    """GPTQ packs along in ([in*b/32, out]), AWQ along out ([in, out/8]): GPTQ words labelled AWQ are
+    reported as AWQ modules whose shapes do not fit, never read as AWQ."""
+    ckpt = tmp_checkpoint("llama-gptq-w4g64-asym")
+    _edit_config(ckpt, lambda c: c["quantization_config"].update(quant_method="awq", version="gemm"))
+    (report,) = inspect_json(ckpt)["components"]
+    assert report["method"] == "AWQ" and any("modules:" in w for w in report["warnings"])
+    proc = run_qconv("dequantize", ckpt, ckpt.parent / "out")
+    assert proc.returncode == 4 and "qweight" in proc.stderr and not (ckpt.parent / "out").exists()
 
 
 def test_gptqmodel_dynamic_overrides(tmp_checkpoint):

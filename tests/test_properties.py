@@ -15,7 +15,7 @@ from qconv.formats import gptq_codec
 from qconv.formats.checkpoint import open_target
 from qconv.formats.detect import detect
 from qconv.formats.ir import QuantSpec, QuantTensor
-from qconv.formats.packing import pack_int32, unpack_int32
+from qconv.formats.packing import pack_int32, unpack_int32, unpack_int32_transposed
 from qconv.formats.reader import read_module
 
 from conftest import CHECKPOINTS
@@ -137,6 +137,8 @@ def test_pack_unpack_round_trip(bits, runs, cols, seed):
     words = pack_int32(codes, bits, axis=0)
     assert words.dtype == np.int32 and words.shape == (n * bits // 32, cols)
     assert np.array_equal(unpack_int32(words, bits, axis=0), codes)
+    transposed = unpack_int32_transposed(words, bits)       # how GPTQ's reader gets [out, in] codes
+    assert transposed.flags.c_contiguous and np.array_equal(transposed, codes.T)
     assert np.array_equal(unpack_int32(pack_int32(codes.T, bits, axis=1), bits, axis=1), codes.T)
 
 
@@ -276,18 +278,19 @@ def test_auto_round_packing_formats(tmp_path, qc, encoding):
     assert np.array_equal(back.zeros, qt.zeros) and np.array_equal(back.dequantize(), qt.dequantize())
 
 
-@pytest.mark.parametrize("qc, needle", [
-    ({"quant_method": "auto-round", "packing_format": "auto_round:auto_awq"}, "'auto_round:auto_awq' is not a layout"),
-    ({"quant_method": "gptq", "checkpoint_format": "marlin"}, "'marlin' is not a layout"),
-    ({"quant_method": "auto-round", "packing_format": "auto_round:auto_gptq", "data_type": "nv_fp"},
+@pytest.mark.parametrize("qc, code, needle", [
+    # auto_awq is AWQ's layout (read by the AWQ reader): GPTQ words labelled so are not AWQ-shaped
+    ({"quant_method": "auto-round", "packing_format": "auto_round:auto_awq"}, 4, "which AWQ GEMM never writes"),
+    ({"quant_method": "gptq", "checkpoint_format": "marlin"}, 5, "'marlin' is not a layout"),
+    ({"quant_method": "auto-round", "packing_format": "auto_round:auto_gptq", "data_type": "nv_fp"}, 5,
      "data_type 'nv_fp'"),
 ])
-def test_lookalike_layouts_are_refused_not_misread(tmp_path, qc, needle):
+def test_lookalike_layouts_are_refused_not_misread(tmp_path, qc, code, needle):
     from conftest import run_qconv
 
     _write_gptq(tmp_path / "m", _asym_module(), "v1", False, {**qc, "bits": 4, "group_size": 64})
     proc = run_qconv("dequantize", tmp_path / "m", tmp_path / "out")
-    assert proc.returncode == 5 and needle in proc.stderr and not (tmp_path / "out").exists()
+    assert proc.returncode == code and needle in proc.stderr and not (tmp_path / "out").exists()
 
 
 @PROPS
@@ -302,3 +305,19 @@ def test_scb_survives_float32_gptq_scales(seed):
     _, scb, _ = F.int8_vectorwise_quant(w.to(torch.float16))
     s = (scb / 127).numpy().astype(np.float32)
     assert np.array_equal(_scb_from_scales(s), scb.numpy())
+
+
+def test_a_zero_point_of_0_written_as_gptq_v1_is_named(tmp_path):
+    """GPTQ v1 stores z - 1: a zero of 0 wraps to 2^b - 1. convert --to gptq says which modules hold one
+    (GPTQModel's word-wise reader cannot get it back); --to gptq-v2 stores it exactly, with no warning."""
+    import json as _json
+
+    from conftest import run_qconv
+
+    _write_gptq(tmp_path / "v2", _asym_module(), "v2", False)
+    proc = run_qconv("convert", "--json", tmp_path / "v2", tmp_path / "v1", "--to", "gptq", check=0)
+    (warning,) = [w for w in _json.loads(proc.stdout)["components"][0]["warnings"] if "zero points of 0" in w]
+    assert "1 modules" in warning and "layer" in warning and "--to gptq-v2" in warning
+    proc = run_qconv("convert", "--json", tmp_path / "v2", tmp_path / "v2b", "--to", "gptq-v2", check=0)
+    assert not any("zero points of 0" in w for w in _json.loads(proc.stdout)["components"][0]["warnings"])
+    assert np.array_equal(_read_only_module(tmp_path / "v2b").zeros, _asym_module().zeros)

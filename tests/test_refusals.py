@@ -166,22 +166,35 @@ def _method(method):
     return case
 
 
-gptq_method_awq = _method("awq")
-gptq_method_compressed_tensors = _method("compressed-tensors")
+def gptq_method_awq(t):
+    """GPTQ words under an AWQ config: AWQ's reader finds them in GPTQ's layout and refuses."""
+    d = copy_checkpoint("llama-gptq-w4g64-asym", t)
+    _edit_config(d, lambda c: c["quantization_config"].update({"quant_method": "awq"}))
+    return d, UNSUPPORTED, [ST, "qweight", "AWQ version/format 'gptq'"]
+
+
+def gptq_method_compressed_tensors(t):
+    """GPTQ words under a compressed-tensors config: no compressed-tensors module claims them."""
+    d = copy_checkpoint("llama-gptq-w4g64-asym", t)
+    _edit_config(d, lambda c: c["quantization_config"].update({"quant_method": "compressed-tensors"}))
+    return d, CORRUPT, [ST, "belongs to no quantized module"]
+
+
 gptq_method_unknown = _method("fp8")
 
 
 def _reference(name, method):
-    """A producer-made checkpoint of a method qconv does not decode (fixtures/checkpoints)."""
+    """A producer-made checkpoint relabelled with a method qconv does not decode (fixtures/checkpoints)."""
     def case(t):
         d = t / name
         shutil.copytree(REFERENCE / name, d, ignore=shutil.ignore_patterns("oracle"))
+        _edit_config(d, lambda c: c["quantization_config"].update({"quant_method": method}))
         return d, UNSUPPORTED, ["config.json", f"quant_method {method!r}"]
     return case
 
 
-reference_awq = _reference("llama-awq-w4g128", "awq")
-reference_compressed_tensors = _reference("llama-ct-w4a16", "compressed-tensors")
+reference_awq_as_fp8 = _reference("llama-awq-w4g128", "fp8")
+reference_compressed_tensors_as_fp8 = _reference("llama-ct-w4a16", "fp8")
 
 CASES = {name: fn for name, fn in dict(globals()).items()
          if name.startswith(("bnb8_", "bnb4_", "gptq_", "reference_")) and callable(fn)
@@ -274,10 +287,13 @@ def test_inspect_warns_bnb4_state_without_quant_state_and_no_config(tmp_path):
     assert any("quantization tensors belong to no quantized module" in w for w in warnings), warnings
 
 
-@pytest.mark.parametrize("name,method,leaf", [("llama-ct-w4a16", "compressed-tensors", "weight_packed"),
-                                              ("llama-awq-w4g128", "awq", "qweight")])
-def test_inspect_warns_packed_tensors_of_an_undecoded_method(name, method, leaf):
-    warnings = _inspect_warnings(REFERENCE / name)
+@pytest.mark.parametrize("name,leaf", [("llama-ct-w4a16", "weight_packed"), ("llama-awq-w4g128", "qweight")])
+def test_inspect_warns_packed_tensors_of_an_undecoded_method(tmp_path, name, leaf):
+    method = "fp8"
+    d = tmp_path / name
+    shutil.copytree(REFERENCE / name, d, ignore=shutil.ignore_patterns("oracle"))
+    _edit_config(d, lambda c: c["quantization_config"].update({"quant_method": method}))
+    warnings = _inspect_warnings(d)
     assert any(f"quant_method {method!r} is not a format qconv decodes" in w for w in warnings), warnings
     assert any("quantization tensors belong to no quantized module" in w and f"down_proj.{leaf}" in w
                for w in warnings), warnings

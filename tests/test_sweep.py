@@ -290,9 +290,11 @@ def _method(method):
     return make
 
 
-def _reference(name):
+def _reference(name, method):
+    """A producer-made checkpoint relabelled with a quant_method qconv does not decode."""
     def make(w):
         shutil.copytree(REFERENCE / name, w / "model", ignore=shutil.ignore_patterns("oracle"))
+        edit_json(w / "model" / "config.json", lambda c: c["quantization_config"].update(quant_method=method))
         return w / "model"
     return make
 
@@ -443,13 +445,14 @@ CATALOGUE = [
          (ST, Q)),
     Case("weight_and_qweight", "llama-gptq-w4g64-asym", _tensors_edit("llama-gptq-w4g64-asym", lambda ts: ts.update(
         {Q + ".weight": torch.zeros(256, 256, dtype=torch.float16)})), (ST, Q)),
-    Case("quant_method_awq", "llama-gptq-w4g64-asym", _method("awq"), ("config.json", "awq"), inspect_warns=True),
+    Case("quant_method_awq", "llama-gptq-w4g64-asym", _method("awq"), (ST, "AWQ"), inspect_warns=True),
     Case("quant_method_compressed_tensors", "llama-gptq-w4g64-asym", _method("compressed-tensors"),
-         ("config.json", "compressed-tensors"), inspect_warns=True),
+         (ST, "no quantized module"), inspect_warns=True),
     Case("quant_method_unknown", "llama-gptq-w4g64-asym", _method("fp8"), ("config.json", "fp8"), inspect_warns=True),
-    Case("reference_awq", "llama-fp16", _reference("llama-awq-w4g128"), ("config.json", "awq"), inspect_warns=True),
-    Case("reference_compressed_tensors", "llama-fp16", _reference("llama-ct-w4a16"),
-         ("config.json", "compressed-tensors"), inspect_warns=True),
+    Case("reference_awq_as_fp8", "llama-fp16", _reference("llama-awq-w4g128", "fp8"), ("config.json", "fp8"),
+         inspect_warns=True),
+    Case("reference_compressed_tensors_as_fp8", "llama-fp16", _reference("llama-ct-w4a16", "fp8"),
+         ("config.json", "fp8"), inspect_warns=True),
     Case("quantization_config_removed", "llama-gptq-w4g64-asym", quantization_config_removed, ("qweight",),
          inspect_warns=True),
     Case("pipelines_disjoint", "pipeline-qwen3vl-bnb8", pipelines_disjoint, verbs=["validate"]),

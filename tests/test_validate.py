@@ -391,23 +391,53 @@ def test_shards_of_layers_add_up_to_the_whole(monkeypatch, tmp_path):
         assert sum(s["kernels"][i]["checked"] for s in shards) == k["checked"] < k["layers"]
 
 
-def test_host_dequantization_of_transposed_gptq_codes_is_the_reference(large_model):
-    """On the host, validate leaves GPTQ codes of one-group-per-row layers as a transposed view (no
-    transposition while reading); numpy's dequantize_rows on that view is the contiguous reference bit
-    for bit, on whole layers and on row blocks."""
+
+
+def test_a_nan_stored_alike_on_both_sides_still_fails(tmp_path):
+    """Weights stored bit for bit alike need no product to be equal, but a NaN among them must still fail
+    the layer (the shortcut looks at the stored bits)."""
+    import shutil
+
+    bad = copy_checkpoint("llama-fp16", tmp_path)
+    _patch(bad / "model.safetensors", "model.layers.1.self_attn.o_proj.weight",
+           lambda raw: raw.view(np.uint16).__setitem__(1234, 0x7C00))           # float16 +inf
+    twin = tmp_path / "twin"
+    shutil.copytree(bad, twin)
+    code, result, _ = _validate(bad, twin)
+    failed = [r for r in result["layers"] if not r["ok"]]
+    assert code == 1 and [r["module"] for r in failed] == ["model.layers.1.self_attn.o_proj"]
+    assert all(r["weights_checked"] == "stored weights identical" and r["cosine"] == 1.0
+               for r in result["layers"] if r["ok"])
+
+
+@pytest.mark.parametrize("name", ["llama-bnb8", "llama-gptq-w4g64-asym", "llama-gptq-w8g128"])
+def test_one_product_for_both_sides_is_each_sides_product(name):
+    """Same codes under close scales are multiplied once for both sides (_factored_outputs): each side's Y
+    must be that side's own X W^T (W from the reference dequantization, the product in float64) within
+    float32 accumulation, per output channel, on per-row scales and on groups."""
+    from dataclasses import replace
+
     from qconv.formats.checkpoint import open_target
     from qconv.formats.reader import read_module
-    from qconv.validation import Side
+    from qconv.validation import _activations, _factored_outputs, Side
 
-    side = Side(open_target(large_model).components[0])
-    views = 0
-    for name, e in side.entries.items():
+    side = Side(open_target(CHECKPOINTS / name).components[0])
+    grouped = 0
+    for e in side.entries.values():
         if e.module is None:
             continue
-        held = side.host(name, None).qt
-        ref = read_module(side.comp, side.det, e.module, side.dtype)
-        views += not held.codes.flags.c_contiguous
-        out = ref.shape[0]
-        for r0, r1 in ((0, out), (1, 37), (out // 2, out)):
-            assert np.array_equal(held.dequantize_rows(r0, r1).view(np.uint32), ref.dequantize_rows(r0, r1).view(np.uint32))
-    assert views == 7
+        qa = read_module(side.comp, side.det, e.module, side.dtype)
+        qb = replace(qa, scales=(qa.scales * np.float32(1 + 2.0**-12)).astype(np.float32))
+        out, inp = qa.shape
+        x = _activations(8, inp, 0)
+        xt = np.ascontiguousarray(x.T)
+        r0, r1 = 3, out - 5
+        ys = _factored_outputs(qa, qb, r0, r1, xt)
+        assert ys is not None
+        for q, y in zip((qa, qb), ys):
+            w = q.dequantize_rows(r0, r1).astype(np.float64)
+            exact = w @ xt.astype(np.float64)
+            bound = inp * 2.0**-23 * (np.abs(w) @ np.abs(xt).astype(np.float64)) + 1e-30
+            assert y.shape == exact.shape and np.all(np.abs(y - exact) <= bound)
+        grouped += qa.zeros.shape[1] > 1
+    assert (grouped > 0) == (name != "llama-bnb8")

@@ -1,0 +1,98 @@
+"""What quantizing activations at run time costs, reported by `convert` for targets whose kernels do it
+(compressed-tensors W8A8: int8 activations per token, computed dynamically).
+
+Per layer, on the same seeded outlier-shaped activations validate uses (unit scale, a few columns
+above LLM.int8's 6.0 threshold, as real LLM activations have), three outputs are compared:
+
+* the source's own matmul: LLM.int8's mixed-precision matmul for a bitsandbytes int8 source
+  (bitsandbytes' kernel: outlier columns in float16, the rest int8), else the float product of the
+  source's exact weights (what weight-only kernels compute);
+* the target's: X quantized per token to int8 (s_x = max|x| / 127, round, clamp to +-127), times the
+  written int8 codes, times both scales (exact in float64, as the int32 accumulation is);
+* the float product of the written weights.
+
+The report gives, per layer, the relative Frobenius error of the target's output against the source's
+matmul (the accuracy trade a user makes by serving W8A8 instead), and each against float.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..formats.checkpoint import Component
+from ..formats.detect import Detection
+from ..formats.ir import QuantTensor
+from ..formats.layout import QuantModule
+from ..formats.reader import model_dtype, read_module, require_decodable
+from ..probes import import_bitsandbytes, outlier_activations
+
+SAMPLES = 32
+THRESHOLD = 6.0          # LLM.int8's outlier threshold (bitsandbytes' default, what transformers uses)
+
+
+def int8_token_matmul(x: np.ndarray, qt: QuantTensor) -> np.ndarray:
+    """Y = X W^T with X quantized per token to int8, as W8A8 kernels run it (per-channel int8 weights)."""
+    sx = np.abs(x).max(axis=1, keepdims=True).astype(np.float64) / 127.0
+    xq = np.clip(np.rint(x / np.where(sx > 0, sx, 1.0)), -127, 127)
+    q = qt.codes.astype(np.float64) - qt.zeros.astype(np.float64)          # [out, in], per-channel zeros
+    sw = qt.scales.astype(np.float64)[:, 0] / qt.spec.scale_divisor
+    return (xq @ q.T) * sx * sw[None, :]
+
+
+def _llm_int8(comp: Component, m: QuantModule, x: np.ndarray) -> np.ndarray | None:
+    """bitsandbytes' own LLM.int8 matmul of a bnb int8 module, or None when it cannot run here."""
+    try:
+        if not import_bitsandbytes():
+            return None
+        import bitsandbytes as bnb
+        import torch
+
+        from ..formats.tensor_io import read_array
+        cb = torch.from_numpy(read_array(comp.tensors[m.name + ".weight"]))
+        scb = torch.from_numpy(read_array(comp.tensors[m.name + ".SCB"])).float()
+        state = bnb.MatmulLtState()
+        state.CB, state.SCB, state.threshold, state.has_fp16_weights = cb, scb, THRESHOLD, False
+        return bnb.matmul(torch.from_numpy(x).half(), cb, state=state).float().numpy().astype(np.float64)
+    except Exception:  # noqa: BLE001 - the kernel is optional; the report says which matmul it used
+        return None
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / max(float(np.linalg.norm(b)), 1e-30))
+
+
+def activation_cost(src: Component, det: Detection, modules: list[QuantModule], out: Component,
+                    seed: int = 0) -> dict:
+    """The report: per layer and its worst, for the written component ``out`` of source ``src``."""
+    src_dtype = model_dtype(src, det)
+    out_det = require_decodable(out)
+    written = {m.name: m for m in out_det.modules}
+    out_dtype = model_dtype(out, out_det)
+    layers = []
+    kernels = set()
+    for m in modules:
+        target = read_module(out, out_det, written[m.name], out_dtype)
+        x = outlier_activations(SAMPLES, m.in_features, seed)
+        x64 = x.astype(np.float64)
+        y_float = x64 @ target.dequantize().astype(np.float64).T
+        y_target = int8_token_matmul(x, target)
+        y_source = _llm_int8(src, m, x) if m.family == "bnb8" else None
+        kernel = "bitsandbytes LLM.int8 (threshold 6.0)" if y_source is not None else "float"
+        if y_source is None:
+            if m.family == "float":
+                from ..formats.tensor_io import read_array, to_float32
+                info = src.tensors[m.weight_tensors[0]]
+                w = to_float32(read_array(info), info.dtype)
+            else:
+                w = read_module(src, det, m, src_dtype).dequantize()
+            y_source = x64 @ w.astype(np.float64).T
+        kernels.add(kernel)
+        layers.append({"module": m.name, "vs_source_matmul": round(_rel(y_target, y_source), 6),
+                       "source_matmul_vs_float": round(_rel(y_source, y_float), 6),
+                       "int8_activations_vs_float": round(_rel(y_target, y_float), 6)})
+    worst = max(layers, key=lambda r: r["vs_source_matmul"], default=None)
+    return {"activations": "int8, per token, dynamic", "source_matmul": sorted(kernels),
+            "samples": SAMPLES, "seed": seed, "layers": layers,
+            "max_vs_source_matmul": worst["vs_source_matmul"] if worst else None,
+            "worst_layer": worst["module"] if worst else None,
+            "median_vs_source_matmul": float(np.median([r["vs_source_matmul"] for r in layers])) if layers else None}

@@ -1,0 +1,212 @@
+"""compressed-tensors tensor data <-> QuantTensor (the layout, from headers, and the config are
+compressed_tensors.py).
+
+In a QuantTensor the codes are unsigned: the stored value q + 2^(b-1) (what pack-quantized writes,
+and int-quantized's signed I8 plus 2^(b-1)), against zero points zp + 2^(b-1) (2^(b-1) everywhere for
+a symmetric scheme). ``(codes - zeros) * scales`` is then exactly compressed-tensors'
+``(q - zp) * scale``, and a symmetric 4-bit code is GPTQ's uint4b8 code. Scales are widened to float32;
+``spec.scale_dtype`` keeps the stored dtype so that encode writes the same bytes back.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import numpy as np
+
+from ..errors import CorruptCheckpoint, UnsupportedFormat
+from .compressed_tensors import (INT, NAIVE, PACKED, READABLE_FORMATS, _PADDED_BITS, _SCALE_DTYPES,
+                                 _padded_range, check, leaves, padded_layout_message)
+from .ir import QuantSpec, QuantTensor
+from .layout import QuantModule
+from .packing import pack_int32, unpack_int32
+from .safetensors_header import TensorInfo
+from .tensor_io import encode_float, finite_scales, read_array, to_float32
+
+__all__ = ["read", "encode", "leaves", "pack_dense", "unpack_dense"]
+
+
+# ---------------------------------------------------------------------------------------------
+# compressed-tensors' dense bitstream over any length (pack_to_int32 / unpack_from_int32)
+
+def unpack_dense(words: np.ndarray, bits: int, n: int, axis: int) -> np.ndarray:
+    """int32 words -> n uint8 codes along ``axis``: the LSB-first bitstream of packing.py, for any n
+    (compressed-tensors pads a row to whole 32-code runs and keeps only ceil(n*b/32) words)."""
+    w = np.asarray(words)
+    have = w.shape[axis]
+    if have != math.ceil(n * bits / 32):
+        raise ValueError(f"{have} words along axis {axis} do not hold {n} {bits}-bit codes")
+    if 32 % bits and have % bits:                     # whole runs of b words for unpack_int32
+        pad = [(0, 0)] * w.ndim
+        pad[axis] = (0, bits - have % bits)
+        w = np.pad(w, pad)
+    codes = unpack_int32(w, bits, axis=axis)
+    if codes.shape[axis] != n:
+        codes = np.take(codes, np.arange(n), axis=axis)
+    return np.ascontiguousarray(codes)
+
+
+def pack_dense(codes: np.ndarray, bits: int, axis: int) -> np.ndarray:
+    """uint8 codes (< 2^bits) -> int32 words along ``axis``, ceil(n*b/32) of them; codes past the
+    end are zero, as compressed-tensors pads them."""
+    c = np.asarray(codes, dtype=np.uint8)
+    n = c.shape[axis]
+    if n % 32:
+        pad = [(0, 0)] * c.ndim
+        pad[axis] = (0, 32 - n % 32)
+        c = np.pad(c, pad)
+    words = pack_int32(c, bits, axis=axis)
+    keep = math.ceil(n * bits / 32)
+    if words.shape[axis] != keep:
+        words = np.take(words, np.arange(keep), axis=axis)
+    return np.ascontiguousarray(words)
+
+
+def _unsigned(q: np.ndarray, bits: int, info: TensorInfo, what: str) -> np.ndarray:
+    """Signed stored values (int-quantized) -> uint8 q + 2^(b-1), refusing values outside b bits."""
+    offset = 1 << (bits - 1)
+    if q.dtype == np.int8 and bits == 8:
+        return q.view(np.uint8) ^ np.uint8(0x80)          # q + 128 (mod 256), bit for bit
+    wide = q.astype(np.int64)
+    if wide.size and (wide.min() < -offset or wide.max() >= offset):
+        raise CorruptCheckpoint(f"holds {what} outside the {bits}-bit range {-offset}..{offset - 1}",
+                                file=info.file, tensor=info.name)
+    return (wide + offset).astype(np.uint8)
+
+
+def _signed(u: np.ndarray, bits: int) -> np.ndarray:
+    return (np.asarray(u).astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Read
+
+def _in_features(m: QuantModule, tensors: Mapping[str, TensorInfo]) -> int:
+    """weight_shape's value (out, in), checked against what the headers allow."""
+    info = tensors[m.name + ".weight_shape"]
+    packed = tensors[m.name + ".weight_packed"]
+    value = read_array(info).reshape(-1)
+    got = tuple(int(v) for v in value)
+    lo, hi = m.details["in_range"]
+    if len(got) == 2 and got[0] == m.out_features and lo <= got[1] <= hi:
+        return got[1]
+    cols = packed.shape[1]
+    if (len(got) == 2 and got[0] == m.out_features and m.bits in _PADDED_BITS
+            and _padded_range(cols, m.bits)[0] <= got[1] <= _padded_range(cols, m.bits)[1]):
+        raise UnsupportedFormat(padded_layout_message(
+            m.bits, m.details.get("version"), f"weight_shape says in={got[1]}, which packs to {cols} "
+                                              f"words a row only that way"), file=packed.file,
+            tensor=packed.name)
+    span = f"{lo}" if lo == hi else f"{lo}..{hi}"
+    raise CorruptCheckpoint(f"weight_shape holds {list(got)}, but weight_packed {list(packed.shape)} and "
+                            f"weight_scale hold a [{m.out_features}, {span}] weight; cannot decode it",
+                            file=info.file, tensor=info.name)
+
+
+def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, dtype: str) -> QuantTensor:
+    """The module as a QuantTensor, exactly: ``dequantize()`` rounded to float16 is what
+    compressed-tensors decompresses for a float16 model."""
+    check(m, tensors, qc)
+    name, bits, out = m.name, m.bits, m.out_features
+    offset = 1 << (bits - 1)
+    scale_info = tensors[name + ".weight_scale"]
+    groups = scale_info.shape[1]
+    if m.details["layout"] == "pack":
+        inp = _in_features(m, tensors)
+        codes = unpack_dense(read_array(tensors[name + ".weight_packed"]), bits, inp, axis=1)
+    else:
+        info = tensors[name + ".weight"]
+        inp = info.shape[1]
+        codes = np.ascontiguousarray(_unsigned(read_array(info), bits, info, "codes"))
+    scales = finite_scales(to_float32(read_array(scale_info), scale_info.dtype), scale_info)
+    if m.details["symmetric"]:
+        zeros = np.full((out, groups), offset, dtype=np.uint8)
+    else:
+        info = tensors[name + ".weight_zero_point"]
+        if m.details["layout"] == "pack":
+            zeros = unpack_dense(read_array(info), bits, out, axis=0)
+        else:
+            zeros = np.ascontiguousarray(_unsigned(read_array(info), bits, info, "zero points"))
+    group_size = m.group_size
+    if group_size > 0 and -(-inp // group_size) != groups:
+        raise CorruptCheckpoint(f"holds {groups} groups, but {inp} input channels in groups of "
+                                f"{group_size} make {-(-inp // group_size)}; cannot decode it",
+                                file=scale_info.file, tensor=scale_info.name)
+    g_idx = None
+    if name + ".weight_g_idx" in tensors:
+        info = tensors[name + ".weight_g_idx"]
+        g_idx = read_array(info).astype(np.int64)
+        if g_idx.shape != (inp,):
+            raise CorruptCheckpoint(f"has shape {list(g_idx.shape)}, expected [{inp}]", file=info.file,
+                                    tensor=info.name)
+        if g_idx.size and (g_idx.min() < 0 or g_idx.max() >= groups):
+            raise CorruptCheckpoint(f"holds groups outside 0..{groups - 1}", file=info.file, tensor=info.name)
+        trivial = np.zeros(inp, np.int64) if group_size <= 0 else np.arange(inp) // group_size
+        if np.array_equal(g_idx, trivial):
+            g_idx = None
+    spec = QuantSpec("int", bits, group_size, bool(m.details["symmetric"]), scale_dtype=scale_info.dtype)
+    return QuantTensor(spec, (out, inp), dtype, codes=codes, scales=np.ascontiguousarray(scales),
+                       zeros=zeros, g_idx=g_idx)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encode
+
+def encode(qt: QuantTensor, fmt: str = PACKED, scale_dtype: str | None = None
+           ) -> dict[str, tuple[str, np.ndarray]]:
+    """QuantTensor -> the tensors of a compressed-tensors module, leaf name -> (safetensors dtype,
+    stored values); the inverse of read, and exactly what ``leaves()`` predicts. ``fmt``
+    "pack-quantized" packs codes (and asymmetric zero points, along out) into int32 words;
+    "int-quantized" / "naive-quantized" store signed I8 codes. A non-trivial g_idx is written as
+    weight_g_idx, as compressed-tensors up to 0.18 did (0.19 and later refuse it)."""
+    spec = qt.spec
+    if fmt not in READABLE_FORMATS:
+        raise ValueError(f"compressed-tensors format {fmt!r} is not one qconv writes "
+                         f"({', '.join(READABLE_FORMATS)})")
+    if spec.scheme != "int" or spec.scale_divisor != 1:
+        raise ValueError("compressed-tensors encodes integer codes with plain scales (scale_divisor 1)")
+    bits = spec.bits
+    if not 1 <= bits <= 8:
+        raise ValueError(f"compressed-tensors stores 1- to 8-bit codes, not {bits}-bit ones")
+    sdt = scale_dtype or spec.scale_dtype
+    if sdt not in _SCALE_DTYPES:
+        raise ValueError(f"scale dtype {sdt!r}: compressed-tensors scales are {', '.join(_SCALE_DTYPES)}")
+    offset = 1 << (bits - 1)
+    out, inp = qt.shape
+    codes, zeros = np.asarray(qt.codes), qt.zeros
+    if codes.shape != (out, inp):
+        raise ValueError(f"codes have shape {codes.shape}, expected {(out, inp)}")
+    if codes.size and int(codes.max()) >> bits:
+        raise ValueError(f"codes do not fit in {bits} bits")
+    if spec.symmetric:
+        if zeros is not None and np.any(zeros != offset):
+            raise ValueError(f"a symmetric compressed-tensors module stores no zero point, so every "
+                             f"zero must be {offset} (2^(b-1)); write it as asymmetric instead")
+    elif zeros is None or (zeros.size and int(np.max(zeros)) >> bits):
+        raise ValueError(f"asymmetric zero points must be given and fit in {bits} bits")
+    scales = encode_float(np.ascontiguousarray(qt.scales), sdt)
+    res: dict[str, tuple[str, np.ndarray]] = {}
+    if fmt == PACKED:
+        res["weight_packed"] = ("I32", pack_dense(codes, bits, axis=1))
+        res["weight_scale"] = (sdt, scales)
+        res["weight_shape"] = ("I64", np.array([out, inp], dtype=np.int64))
+        if not spec.symmetric:
+            res["weight_zero_point"] = ("I32", pack_dense(zeros, bits, axis=0))
+    else:
+        assert fmt in (INT, NAIVE)
+        res["weight"] = ("I8", np.ascontiguousarray(_signed(codes, bits)))
+        res["weight_scale"] = (sdt, scales)
+        if not spec.symmetric:
+            res["weight_zero_point"] = ("I8", np.ascontiguousarray(_signed(zeros, bits)))
+    if qt.g_idx is not None:
+        res["weight_g_idx"] = ("I32", np.asarray(qt.g_idx).astype(np.int32))
+    planned = leaves(spec, qt.shape, fmt, scale_dtype=sdt, g_idx=qt.g_idx is not None)
+    stored = {leaf: (d, tuple(a.shape)) for leaf, (d, a) in res.items()}
+    assert stored == planned, (stored, planned)
+    return res
+
+
+def encode_for(target: str, qt: QuantTensor, spec: QuantSpec, g_idx: bool) -> dict[str, tuple[str, np.ndarray]]:
+    """The registry's encoder of the compressed-tensors targets."""
+    return encode(qt, INT if target == "compressed-tensors-w8a8" else PACKED, spec.scale_dtype)
