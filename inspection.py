@@ -187,8 +187,7 @@ def render_text(result: dict, *, all_modules: bool = False) -> str:
                  f"{r['tensors']} tensors, {_human_count(r['logical_parameters'])} logical parameters"
                  + (f", {r['bits_per_weight']} bits/weight overall" if r["bits_per_weight"] else "")
                  + (f"; quantization config from {r['config']}" if r["config"] else "")]
-        settings = [(k, ", ".join(map(str, v)) if isinstance(v, list) else v)
-                    for k, v in r.items() if k not in _HEADLINE_KEYS]
+        settings = [(k, _setting_text(v)) for k, v in r.items() if k not in _HEADLINE_KEYS]
         if settings:
             lines += ["", _indent(tabulate(settings, headers=["setting", "value"]))]
         if r["quantized_modules"]:
@@ -208,6 +207,17 @@ def render_text(result: dict, *, all_modules: bool = False) -> str:
             lines += ["", f"  warnings ({len(r['warnings'])}):"] + [f"  ! {w}" for w in r["warnings"]]
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+def _setting_text(value) -> str:
+    """A setting for the table: lists comma-joined, a mapping one `key: value` line per entry (nested
+    mappings as `k=v` pairs), so compressed-tensors' config groups read as one line each."""
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
+    if isinstance(value, dict):
+        return "\n".join(f"{k}: " + (", ".join(f"{ik}={_setting_text(iv)}" for ik, iv in v.items() if iv is not None)
+                                      if isinstance(v, dict) else _setting_text(v)) for k, v in value.items())
+    return value
 
 
 def _indent(text: str) -> str:

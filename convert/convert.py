@@ -146,9 +146,6 @@ def _refuse(m: QuantModule, comp: Component, why: str) -> UnsupportedFormat:
     return UnsupportedFormat(why, file=first.file if first else None, tensor=m.name)
 
 
-LOSSLESS_ONLY = ("bnb8",)
-
-
 def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
                  act_order: bool) -> tuple[QuantSpec, str | None]:
     """The spec a module gets in the target, and why it must be requantized (None: codes are kept).

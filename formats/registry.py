@@ -65,11 +65,15 @@ def dialects_for(config_method: str | None) -> tuple[Dialect, ...]:
     return tuple(d for d in _DIALECTS.values() if config_method in d.config_methods)
 
 
+def _lookup(table: dict, what: str, name: str):
+    """table[name]; a miss lists what is registered."""
+    if name not in table:
+        raise KeyError(f"no {what} {name!r}; registered: {', '.join(sorted(table))}")
+    return table[name]
+
+
 def family(name: str) -> Family:
-    try:
-        return _FAMILIES[name]
-    except KeyError:
-        raise KeyError(f"no format family {name!r}; registered: {', '.join(sorted(_FAMILIES))}") from None
+    return _lookup(_FAMILIES, "format family", name)
 
 
 def families() -> tuple[Family, ...]:
@@ -171,16 +175,13 @@ class Target:
 _TARGETS: dict[str, Target] = {}
 
 
-def register_target(target: Target) -> Target:
-    _TARGETS[target.name] = target
-    return target
+def register_target(entry: Target) -> Target:
+    _TARGETS[entry.name] = entry
+    return entry
 
 
 def target(name: str) -> Target:
-    try:
-        return _TARGETS[name]
-    except KeyError:
-        raise KeyError(f"no target {name!r}; registered: {', '.join(sorted(_TARGETS))}") from None
+    return _lookup(_TARGETS, "target", name)
 
 
 def targets() -> tuple[Target, ...]:
