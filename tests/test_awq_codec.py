@@ -304,6 +304,17 @@ def _module_tensors(raw, module):
     return {k: v.clone() for k, v in raw.items() if k.startswith(module + ".")}
 
 
+def _edited(tmp_path, fixture, module, edit):
+    """One module of a producer-made fixture, its tensors changed by edit(dict), saved alone; returns
+    (path, headers, the fixture's config)."""
+    folder, _, qc = _load(fixture)
+    t = _module_tensors(load_file(str(folder / "model.safetensors")), module)
+    edit(t)
+    path = tmp_path / "model.safetensors"
+    save_file(t, str(path))
+    return path, read_header(path).tensors, qc
+
+
 def _assert_names(err, file, tensor):
     msg = str(err.value)
     assert str(file) in msg and repr(tensor) in msg, msg
@@ -322,14 +333,9 @@ def test_refuses_gemv_version():
 
 
 def test_refuses_qweight_that_does_not_fit_scales(tmp_path):
-    folder, _, qc = _load("llama-awq-w4g128")
-    raw = load_file(str(folder / "model.safetensors"))
     module = "model.layers.0.self_attn.q_proj"
-    t = _module_tensors(raw, module)
-    t[module + ".qweight"] = t[module + ".qweight"][:, :30].contiguous()    # 240 outputs, scales say 256
-    path = tmp_path / "model.safetensors"
-    save_file(t, str(path))
-    tensors = read_header(path).tensors
+    path, tensors, qc = _edited(tmp_path, "llama-awq-w4g128", module, lambda t: t.update(
+        {module + ".qweight": t[module + ".qweight"][:, :30].contiguous()}))    # 240 outputs, scales say 256
     (m,) = awq.find_modules(tensors, qc)
     assert m.problems
     with pytest.raises(CorruptCheckpoint, match="does not fit") as err:
@@ -340,14 +346,9 @@ def test_refuses_qweight_that_does_not_fit_scales(tmp_path):
 
 
 def test_refuses_nan_scale(tmp_path):
-    folder, _, qc = _load("llama-awq-w4g64-sym")
-    raw = load_file(str(folder / "model.safetensors"))
     module = "model.layers.1.mlp.down_proj"
-    t = _module_tensors(raw, module)
-    t[module + ".scales"][3, 17] = float("nan")
-    path = tmp_path / "model.safetensors"
-    save_file(t, str(path))
-    tensors = read_header(path).tensors
+    path, tensors, qc = _edited(tmp_path, "llama-awq-w4g64-sym", module,
+                                lambda t: t[module + ".scales"].__setitem__((3, 17), float("nan")))
     (m,) = awq.find_modules(tensors, qc)
     assert not m.problems                   # headers are fine: only the data is bad
     with pytest.raises(CorruptCheckpoint, match="non-finite") as err:
@@ -368,23 +369,15 @@ def test_refuses_packed_module_listed_as_not_converted():
 
 
 def test_refuses_other_widths_and_missing_zeros(tmp_path):
-    folder, _, qc = _load("llama-awq-w4g128")
-    raw = load_file(str(folder / "model.safetensors"))
     module = "model.layers.0.self_attn.q_proj"
-    t = _module_tensors(raw, module)
     # auto-round's 5-bit AWQ bit stream: 256 outputs * 5 / 32 = 40 words a row
-    t[module + ".qweight"] = torch.zeros(256, 40, dtype=torch.int32)
-    t[module + ".qzeros"] = torch.zeros(2, 40, dtype=torch.int32)
-    path = tmp_path / "model.safetensors"
-    save_file(t, str(path))
-    tensors = read_header(path).tensors
+    _, tensors, qc = _edited(tmp_path, "llama-awq-w4g128", module, lambda t: t.update(
+        {module + ".qweight": torch.zeros(256, 40, dtype=torch.int32),
+         module + ".qzeros": torch.zeros(2, 40, dtype=torch.int32)}))
     (m,) = awq.find_modules(tensors, qc)
     with pytest.raises(UnsupportedFormat, match="5-bit"):
         awq.check(m, tensors, qc)
-    t = _module_tensors(raw, module)
-    del t[module + ".qzeros"]
-    save_file(t, str(path))
-    tensors = read_header(path).tensors
+    _, tensors, qc = _edited(tmp_path, "llama-awq-w4g128", module, lambda t: t.pop(module + ".qzeros"))
     (m,) = awq.find_modules(tensors, dict(qc, zero_point=False))
     with pytest.raises(CorruptCheckpoint, match="no qzeros"):
         awq.check(m, tensors, qc)
