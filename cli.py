@@ -193,8 +193,8 @@ def _common(fn):
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--to", "to", required=True,
-              type=click.Choice([t.name for t in registered_targets()] + ["bnb8", "bnb4-nf4", "bnb4-fp4", "float16",
-                                                                           "bfloat16", "float32"]),
+              type=click.Choice([t.name for t in registered_targets() if not t.internal]
+                                + ["float16", "bfloat16", "float32"]),
               help="Target format (compressed-tensors: pack-quantized W{bits}A16; compressed-tensors-w8a8: "
                    "int8 weights per channel with dynamic per-token int8 activations; awq: AWQ GEMM 4-bit).")
 @click.option("--bits", type=click.IntRange(2, 8), default=None, help="Target bits (default: the source's).")

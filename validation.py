@@ -37,9 +37,10 @@ kernel, shape) once, plus a seeded sample of KERNEL_SAMPLE layers per kernel (ev
 are no more); kernels="all" runs them on every layer. They run on a thread of their own, which imports
 torch and the library only when a kernel is used, while the comparison goes on.
 
-Work is split over the cores: reader threads read and unpack the next layers while compute threads
-dequantize, multiply and compare blocks of about BLOCK_ELEMENTS weights, so memory is bounded by a
-block and a few layers of codes. On the CPU that is numpy itself (QuantTensor.dequantize_rows, the
+Work is split over the cores: reader threads read and unpack the next windows of rows (at most about
+WINDOW_ELEMENTS weights of a layer, read from only those rows' bytes: Family.read with rows) while
+compute threads dequantize, multiply and compare blocks of about BLOCK_ELEMENTS weights, so memory is
+bounded by a few windows and blocks whatever the size of a layer or of the model. On the CPU that is numpy itself (QuantTensor.dequantize_rows, the
 reference decoding); on CUDA it is dequantize_block, bit for bit the same. Every row is checked; with
 --rows sampled, layers above 4,096 rows are checked on 8 evenly spread windows of 512 rows (the report
 marks those layers).
@@ -65,6 +66,7 @@ from .formats.detect import Detection
 from .formats.ir import QuantTensor
 from .formats.layout import QuantModule, natural_key
 from .formats.reader import model_dtype, read_module, require_decodable
+from .formats.registry import family
 from .formats.safetensors_header import FLOAT_DTYPES, TensorInfo
 from .formats.tensor_io import read_array, to_float32
 
@@ -72,6 +74,7 @@ ULP = {"F16": 2.0**-11, "BF16": 2.0**-8, "F32": 2.0**-24, "F64": 2.0**-53}
 MAX_ROWS = 4096            # sampled rows: larger layers are checked on evenly spread row windows
 WINDOWS = 8
 BLOCK_ELEMENTS = 1 << 22   # all rows: weights per block (16 MiB of float32 per side)
+WINDOW_ELEMENTS = 1 << 24  # weights of a layer read at once (16 MiB of codes per side), in blocks
 WEIGHT_SLACK = 2.0**-21    # float32 roundings of the scale products on both sides (a few 2^-24)
 PREFETCH = 2               # layers read and unpacked ahead at most, on as many reader threads
 READ_AHEAD = 1 << 27       # bytes of codes held for layers read ahead and being compared (beyond one ahead)
@@ -128,20 +131,28 @@ class Side:
         e = self.entries[name]
         return (e.module.out_features, e.module.in_features) if e.module else tuple(e.info.shape)
 
-    def host(self, name: str) -> HostWeight:
-        """The layer as the host holds it: decoded on a reader thread when quantized (a QuantTensor); a
-        float weight is read a block of rows at a time, when a block asks for it, so memory stays
-        bounded by a block even for a float lm_head."""
+    def row_step(self, name: str) -> int:
+        """Rows a window of this layer's reads starts on (1: a float weight, read by rows)."""
+        m = self.entries[name].module
+        return 1 if m is None else family(m.family).row_step(m)
+
+    def host(self, name: str, rows: tuple[int, int]) -> HostWeight:
+        """Rows r0:r1 of the layer as the host holds them: decoded on a reader thread when quantized (a
+        QuantTensor of those rows, read from only their bytes); a float weight is read a block of rows
+        at a time, when a block asks for it, so memory stays bounded by a window even for a float
+        lm_head."""
         e = self.entries[name]
         if e.module is None:
             return HostWeight(None, e.info)
-        return HostWeight(read_module(self.comp, self.det, e.module, self.dtype), None)
+        window = None if rows == (0, e.module.out_features) else rows
+        return HostWeight(read_module(self.comp, self.det, e.module, self.dtype, window), None, rows[0])
 
 
 @dataclass(frozen=True, eq=False)
 class HostWeight:
-    qt: QuantTensor | None
+    qt: QuantTensor | None               # a window's rows (its row 0 is the layer's row ``origin``)
     info: TensorInfo | None
+    origin: int = 0
 
     def stored(self, r0: int, r1: int) -> np.ndarray | None:
         """Rows r0:r1 of a float weight as stored; None for a quantized one."""
@@ -152,12 +163,13 @@ class HostWeight:
         decoding on the host (device None), else computed on the torch device."""
         if self.qt is None and raw is None:
             raw = self.stored(r0, r1)
+        l0, l1 = r0 - self.origin, r1 - self.origin
         if device is None:
-            return self.qt.dequantize_rows(r0, r1) if self.qt is not None else to_float32(raw, self.info.dtype)
+            return self.qt.dequantize_rows(l0, l1) if self.qt is not None else to_float32(raw, self.info.dtype)
         import torch
 
         if self.qt is not None:
-            return dequantize_block(self.qt, r0, r1, device)
+            return dequantize_block(self.qt, l0, l1, device)
         if self.info.dtype == "BF16":
             return torch.from_numpy(raw.view(np.int16)).to(device).view(torch.bfloat16).float()
         return torch.from_numpy(raw).to(device).float()
@@ -309,15 +321,44 @@ def _kernel_name(side: Side, e: Entry) -> str | None:
     return "auto-round" if importlib.util.find_spec("auto_round_extension") else None
 
 
-def _kernel_inputs(side: Side, e: Entry) -> dict:
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _kernel_inputs(kernel: str, side: Side, e: Entry, k: int) -> dict:
+    """The stored tensors the kernel needs for output rows 0..k-1, and only those rows' bytes (so a
+    cross-check holds a block of the layer, never all of it): LLM.int8's rows; GPTQ's first k columns
+    of words, zero words and scales; 4-bit's first k * in codes and the absmax of their blocks."""
     m = e.module
-    return {k[len(m.name) + 1:]: np.ascontiguousarray(read_array(side.comp.tensors[k]))
-            for k in m.weight_tensors + m.state_tensors}
+    tensors = side.comp.tensors
+    whole = k == m.out_features
+
+    def window(leaf: str, n: int | None, axis: int = 0):
+        info = tensors[f"{m.name}.{leaf}"]
+        if whole or n is None:
+            return read_array(info)
+        return read_array(info, rows=(0, n)) if axis == 0 else read_array(info, cols=(0, n))
+
+    if kernel == "bnb8":
+        raw = {"weight": window("weight", k), "SCB": window("SCB", k)}
+    elif kernel == "auto-round":
+        raw = {"qweight": window("qweight", k, 1), "qzeros": window("qzeros", _ceil(k * m.bits, 32), 1),
+               "scales": window("scales", k, 1)}
+    else:                               # bnb4: the first k * in codes of the flattened weight
+        weight = tensors[m.name + ".weight"]
+        n, item = k * m.in_features, weight.nbytes // max(weight.shape[0], 1)
+        blocks = _ceil(n, m.group_size)
+        nested = m.details["quant_state"].get("nested_blocksize", 256)
+        rows = {"weight": _ceil(_ceil(n, 2), item), "weight.absmax": blocks,
+                "weight.nested_absmax": _ceil(blocks, nested)}
+        raw = {leaf: window(leaf, rows.get(leaf)) for leaf in
+               (t[len(m.name) + 1:] for t in m.weight_tensors + m.state_tensors)}
+    return {name: np.ascontiguousarray(v) for name, v in raw.items()}
 
 
 def _kernel_output(kernel: str, m: QuantModule, raw: dict, X, k: int, device):
     """The producing library's own kernel on X (on the validation device), for output channels 0..k-1
-    (the whole layer for bitsandbytes 4-bit, whose blocks span rows)."""
+    from the stored tensors of those rows (_kernel_inputs)."""
     import torch
 
     t = {name: torch.from_numpy(v).to(device) for name, v in raw.items()}
@@ -346,14 +387,16 @@ def _kernel_output(kernel: str, m: QuantModule, raw: dict, X, k: int, device):
     qs = F.QuantState.from_dict({n[len("weight."):]: v for n, v in t.items() if n.startswith("weight.")},
                                 device=device)
     qs.dtype = torch.float32
+    qs.shape = torch.Size([k, m.in_features])      # the first k rows (their codes and blocks were read)
     # The packed bytes in whatever storage dtype they came in: bitsandbytes views them as uint8.
-    return bnb.matmul_4bit(X, t["weight"].t(), quant_state=qs).float()[:, :k]
+    return bnb.matmul_4bit(X, t["weight"].t(), quant_state=qs).float()
 
 
 @dataclass(frozen=True)
 class _Plan:
     name: str
     blocks: list                        # (r0, r1) row blocks to compare
+    windows: list                       # (r0, r1, first block, end block): the rows read at once
     tol: float | tuple | None
     kernels: dict                       # side -> the producer's kernel to cross-check, or None
     eps: float                          # the pair's scale rounding (0: the weights must be identical)
@@ -369,10 +412,10 @@ class _Layer:
     settled: str | None                 # settle_by_codes: "identical", "within" or None
 
 
-def _read_layer(a: Side, b: Side, plan: _Plan, device) -> _Layer:
-    """Everything of one layer that the host must do (read, unpack, compare codes): runs on reader
-    threads, ahead of the blocks, so reading overlaps the comparison of earlier layers."""
-    ha, hb = (s.host(plan.name) for s in (a, b))
+def _read_layer(a: Side, b: Side, plan: _Plan, window: tuple) -> _Layer:
+    """Everything of one window of a layer that the host must do (read, unpack, compare codes): runs
+    on reader threads, ahead of the blocks, so reading overlaps the comparison of earlier windows."""
+    ha, hb = (s.host(plan.name, window[:2]) for s in (a, b))
     settled = settle_by_codes(ha.qt, hb.qt, plan.w_rel) if plan.tol is None else None
     return _Layer(plan, ha, hb, settled)
 
@@ -475,7 +518,8 @@ def _compare_block(layer_future, r0: int, r1: int, XT, XabsT, device, keep_ys: b
     if (device is None and not keep_ys and p.tol is None and settled in ("identical", "stored")
             and _finite_without_product(layer, raw_a)):
         return _Sums(rows=r1 - r0, settled=settled)         # Y_B is Y_A: nothing to multiply
-    ys = (_factored_outputs(layer.a.qt, layer.b.qt, r0, r1, XT)
+    origin = layer.a.origin
+    ys = (_factored_outputs(layer.a.qt, layer.b.qt, r0 - origin, r1 - origin, XT)
           if device is None and settled == "within" else None)
     WA = None
     if ys is None:
@@ -531,7 +575,7 @@ def _kernel_check(kernel: str, side: Side, e: Entry, x: np.ndarray, ours: np.nda
     import torch
 
     try:
-        y = _kernel_output(kernel, e.module, _kernel_inputs(side, e), torch.from_numpy(x).to(device),
+        y = _kernel_output(kernel, e.module, _kernel_inputs(kernel, side, e, ours.shape[1]), torch.from_numpy(x).to(device),
                            ours.shape[1], device)
     except Exception as exc:  # noqa: BLE001 - the library cannot run it here: said, never counted as a pass
         return {"kernel": kernel, "ok": None, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
@@ -555,42 +599,61 @@ def _kernel_sample(side: Side, eligible: dict[str, str], seed: int) -> dict[str,
     return chosen
 
 
-def _held_bytes(a: Side, b: Side, name: str) -> int:
-    """Bytes of codes a read layer holds (a byte a code; float weights are read a block at a time)."""
-    return sum(e.module.out_features * e.module.in_features for e in (a.entries[name], b.entries[name])
+def row_windows_read(blocks: list, inp: int, out: int, step: int) -> list[tuple[int, int, int, int]]:
+    """The plan's blocks grouped into windows read at once, (r0, r1, first block, end block): runs of
+    contiguous blocks of at most WINDOW_ELEMENTS weights (one block at least), the rows read rounded
+    out to multiples of ``step`` (where a window of both sides' layouts may start and end), so what a
+    window holds is bounded whatever the size of the layer."""
+    windows, start = [], 0
+    for i, (r0, r1) in enumerate(blocks):
+        last = i == len(blocks) - 1
+        if last or blocks[i + 1][0] != r1 or (blocks[i + 1][1] - blocks[start][0]) * inp > WINDOW_ELEMENTS:
+            windows.append((blocks[start][0] // step * step, min(out, -(-r1 // step) * step), start, i + 1))
+            start = i + 1
+    return windows
+
+
+def _held_bytes(a: Side, b: Side, name: str, window: tuple) -> int:
+    """Bytes of codes a read window holds (a byte a code; float weights are read a block at a time)."""
+    return sum((window[1] - window[0]) * e.module.in_features for e in (a.entries[name], b.entries[name])
                if e.module is not None)
 
 
 def _blocks(a: Side, b: Side, plans: list[_Plan], device, inputs: dict):
-    """(plan, block index, _Sums) for every block of every plan, in order. Layers are read ahead on
-    PREFETCH reader threads while the codes held for layers not yet summed up stay within READ_AHEAD
-    bytes (one layer ahead always); blocks are computed IN_FLIGHT ahead on COMPUTE_THREADS threads."""
+    """(plan, block index, _Sums) for every block of every plan, in order. Windows of layers are read
+    ahead on PREFETCH reader threads while the codes held for windows not yet summed up stay within
+    READ_AHEAD bytes (one window ahead always); blocks are computed IN_FLIGHT ahead on COMPUTE_THREADS
+    threads. So memory is bounded by a few windows and blocks, whatever the layers' size."""
     readers = ThreadPoolExecutor(PREFETCH, thread_name_prefix="qconv-read")
     compute = ThreadPoolExecutor(COMPUTE_THREADS, thread_name_prefix="qconv-compare")
-    todo, layers, pending, held = deque(plans), deque(), deque(), {}
+    todo = deque((plan, w) for plan in plans for w in plan.windows)
+    reads, pending, held = deque(), deque(), {}
 
     def finished():
-        p, i, f = pending.popleft()
+        p, w, i, f = pending.popleft()
         s = f.result()
-        if i == len(p.blocks) - 1:
-            del held[p.name]
+        if i == w[3] - 1:
+            del held[(p.name, w[2])]
         return p, i, s
 
     try:
-        while todo or layers or pending:
-            while todo and len(layers) <= PREFETCH and (
-                    len(held) <= 1 or sum(held.values()) + _held_bytes(a, b, todo[0].name) <= READ_AHEAD):
-                plan = todo.popleft()
-                held[plan.name] = _held_bytes(a, b, plan.name)
-                layers.append((plan, readers.submit(_read_layer, a, b, plan, device)))
-            if not layers:
+        while todo or reads or pending:
+            while todo and len(reads) <= PREFETCH and (
+                    len(held) <= 1 or sum(held.values()) + _held_bytes(a, b, todo[0][0].name, todo[0][1])
+                    <= READ_AHEAD):
+                plan, w = todo.popleft()
+                held[(plan.name, w[2])] = _held_bytes(a, b, plan.name, w)
+                reads.append((plan, w, readers.submit(_read_layer, a, b, plan, w)))
+            if not reads:
                 yield finished()
                 continue
-            plan, layer = layers.popleft()
+            plan, w, layer = reads.popleft()
             _, XT, XabsT = inputs[plan.name]
-            for bi, (r0, r1) in enumerate(plan.blocks):
+            for bi in range(w[2], w[3]):
+                r0, r1 = plan.blocks[bi]
                 keep = bi == 0 and any(plan.kernels.values())
-                pending.append((plan, bi, compute.submit(_compare_block, layer, r0, r1, XT, XabsT, device, keep)))
+                pending.append((plan, w, bi, compute.submit(_compare_block, layer, r0, r1, XT, XabsT, device,
+                                                            keep)))
                 while len(pending) > IN_FLIGHT:
                     yield finished()
     finally:
@@ -675,7 +738,9 @@ def validate_components(ca: Component, cb: Component, *, samples: int = 32, seed
         layer_tol = (tolerances or {}).get(name, tol)
         # A requantized layer is held to its whole-matrix weight error, so it is read whole.
         blocks = row_blocks(out, inp) if rows == "all" or isinstance(layer_tol, tuple) else row_windows(out)
-        plan = _Plan(name, blocks, layer_tol, {s: chosen[s].get(name) for s in ("a", "b")}, eps,
+        step = math.lcm(32, a.row_step(name), b.row_step(name))
+        plan = _Plan(name, blocks, row_windows_read(blocks, inp, out, step), layer_tol,
+                     {s: chosen[s].get(name) for s in ("a", "b")}, eps,
                      0.0 if same else eps + WEIGHT_SLACK, 0.0 if same else max(ea.floor, eb.floor))
         if inp not in activations:
             x = _activations(samples, inp, seed)

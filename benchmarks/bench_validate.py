@@ -1,9 +1,11 @@
 """Benchmark: `qconv validate` next to a floor, as whole processes, median of N, on the ~1.1B-parameter
 conversion (TinyLlama shapes: the bitsandbytes int8 model of make_tinyllama_bnb8.py against its
 `qconv bnb8-to-gptq` result) and, with --layout, the full-size Qwen3-VL-8B bitsandbytes int8 layout
-(fixtures/layouts; sparse files, so every weight is zero) against its bnb8-to-gptq result.
+(fixtures/layouts; sparse files, so every weight is zero) against its bnb8-to-gptq result, and, with
+--large-layer, one decoder layer of Llama-3.1-70B (MLP layers of 28,672 x 8,192: 235 M codes each, the
+size at which holding a whole layer per side no longer fits in 1 GiB) built the same way.
 
-    .venv/bin/python benchmarks/bench_validate.py [--runs 3] [--layout] [--device cpu]
+    .venv/bin/python benchmarks/bench_validate.py [--runs 3] [--layout] [--large-layer] [--device cpu]
 
 The floor is the least any such check can do, written here: one Python process that reads both sides
 layer by layer, dequantizes each layer with numpy (qconv's readers and QuantTensor.dequantize, the
@@ -18,6 +20,7 @@ process's own (wait4). Prints figures only; nothing here asserts a time.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -64,6 +67,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--layout", action="store_true", help="also the full-size Qwen3-VL-8B layout")
+    ap.add_argument("--large-layer", action="store_true", help="also one Llama-3.1-70B decoder layer")
+    ap.add_argument("--only-large", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cpu", choices=["cpu", "auto", "cuda"])
     ap.add_argument("--floor", nargs=2, metavar=("A", "B"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -76,10 +81,16 @@ def main() -> None:
     HERE.joinpath(".cache").mkdir(exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory(dir=HERE / ".cache") as tmp:
-        pairs = [("TinyLlama-1.1B bnb int8 -> gptq", src, Path(tmp) / "gptq")]
-        if args.layout:
+        pairs = [] if args.only_large else [("TinyLlama-1.1B bnb int8 -> gptq", src, Path(tmp) / "gptq")]
+        if args.layout or args.large_layer or args.only_large:
             sys.path.insert(0, str(REPO / "fixtures" / "layouts"))
             from build import build
+        if args.large_layer or args.only_large:
+            layout = Path(tmp) / "llama70b-layer.json"
+            layout.write_text(json.dumps(_llama70b_layer()))
+            pairs.append(("Llama-3.1-70B decoder layer bnb int8 -> gptq", build(layout, Path(tmp) / "l70"),
+                          Path(tmp) / "l70-gptq"))
+        if args.layout:
             layout = build(REPO / "fixtures" / "layouts" / "qwen3vl-8b-bnb8.json", Path(tmp) / "qwen3vl-8b")
             pairs.append(("Qwen3-VL-8B layout bnb int8 -> gptq", layout, Path(tmp) / "qwen3vl-8b-gptq"))
         for label, a, b in pairs:
@@ -99,6 +110,31 @@ def main() -> None:
           f"{os.cpu_count()} CPUs\n")
     print(tabulate(rows, headers=["pair", "floor s", "validate s", "ratio", "floor GiB", "validate GiB",
                                   "load avg", "validate says"]))
+
+
+def _llama70b_layer() -> dict:
+    """A bitsandbytes int8 layout of Llama-3.1-70B with one decoder layer (its shapes: hidden 8,192,
+    intermediate 28,672, 64 heads, 8 key-value heads of 128), as transformers saves LLM.int8."""
+    hidden, inter, kv = 8192, 28672, 8 * 128
+    qc = {"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False,
+          "llm_int8_threshold": 6.0, "llm_int8_skip_modules": ["lm_head"], "llm_int8_has_fp16_weight": False,
+          "bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": False,
+          "bnb_4bit_compute_dtype": "float32", "bnb_4bit_quant_storage": "uint8"}
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+              "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": 64,
+              "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "dtype": "bfloat16",
+              "quantization_config": qc}
+    tensors = []
+    for name, (out, inp) in {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),
+                             "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, hidden),
+                             "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+                             "mlp.down_proj": (hidden, inter)}.items():
+        p = f"model.layers.0.{name}"
+        tensors += [[p + ".weight", "I8", [out, inp]], [p + ".SCB", "F32", [out]], [p + ".weight_format", "U8", []]]
+    tensors += [["model.layers.0.input_layernorm.weight", "BF16", [hidden]],
+                ["model.layers.0.post_attention_layernorm.weight", "BF16", [hidden]],
+                ["model.norm.weight", "BF16", [hidden]]]
+    return {"config": config, "tensors": tensors}
 
 
 def _measure(cmd: list[str]) -> tuple[float, float, str]:

@@ -7,7 +7,7 @@ Lossless paths (each module's codes carried over unchanged):
 * bitsandbytes int8 -> GPTQ / auto-round 8-bit, one group per output row, symmetric:
   q = CB + 128, z = 128, s = SCB / 127 stored in --scale-dtype (the only rounding; reported per run);
 * GPTQ 8-bit, one group per row, symmetric -> bitsandbytes int8: CB = q - 128, SCB recovered exactly
-  (_scb_from_scales), so both round trips are byte-identical;
+  (bnb_codec.scb_from_scales), so both round trips are byte-identical;
 * GPTQ v1 <-> v2 <-> auto-round (auto_round:auto_gptq): codes, scales and zero points repacked, zero
   points re-encoded one field at a time; bitsandbytes 4-bit repacks (storage dtype, double quant).
 
@@ -18,7 +18,6 @@ unquantized source is quantized the same way, data-free, from its float weights 
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -30,9 +29,9 @@ from ..errors import CorruptCheckpoint, UnsupportedFormat, UsageError
 from ..formats import gptq_codec
 from ..formats.gptq import block_prefix
 from ..formats.checkpoint import Component
-from ..formats.registry import WriteContext, family as registered_family, target as registered_target, targets as registered_targets
+from ..formats.registry import ModuleContext, WriteContext, family as registered_family, target as registered_target, targets as registered_targets
 from ..formats.detect import METHOD_NAMES, Detection
-from ..formats.bnb_codec import STORAGE_CODES, encode_int8
+from ..formats.bnb_codec import STORAGE_CODES, scb_from_scales as _scb_from_scales  # noqa: F401 (tests import it here)
 from ..formats.ir import QuantSpec, QuantTensor
 from ..formats.layout import QuantModule, examples, natural_key
 from ..formats.reader import model_dtype, read_module, require_decodable
@@ -42,12 +41,11 @@ from .dequantize import dequantize_component
 from .engine import DEFAULT_MAX_SHARD, OutTensor, passthrough, run, write_component
 from .requantize import requantize
 
-# The integer-coded targets are the format registry's (formats/registry.py: caps, leaves, encoder,
-# config); bitsandbytes' int8 and 4-bit writers and the float targets are written here.
+# The quantized targets are the format registry's (formats/registry.py: caps or fit, plan, leaves,
+# requantize / retarget, encoder, config); the float targets dequantize (dequantize.py).
 PACKED_TARGETS = tuple(t.name for t in registered_targets())
-BNB4_TARGETS = {"bnb4-nf4": "nf4", "bnb4-fp4": "fp4"}
 FLOAT_TARGETS = ("float16", "bfloat16", "float32")
-TARGETS = PACKED_TARGETS + ("bnb8",) + tuple(BNB4_TARGETS) + FLOAT_TARGETS
+TARGETS = PACKED_TARGETS + FLOAT_TARGETS
 SCALE_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 
 
@@ -58,9 +56,10 @@ class Options:
     group_size: int | None = None
     sym: bool | None = None
     scale_dtype: str | None = None      # None: the source's (bnb int8 sources: float16)
-    blocksize: int | None = None        # bnb4 targets; None: the source's, else 64
-    double_quant: bool | None = None    # bnb4 targets; None: the source's, else off
-    quant_storage: str | None = None    # bnb4 targets; None: the source's, else uint8
+    # Options of the targets that take them (their Target.fit / plan: bitsandbytes 4-bit)
+    blocksize: int | None = None        # None: the source's, else 64
+    double_quant: bool | None = None    # None: the source's, else off
+    quant_storage: str | None = None    # None: the source's, else uint8
     source: str | None = None           # the only source method accepted (bnb8-to-gptq: "bnb8")
 
 
@@ -151,19 +150,13 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
     """The spec a module gets in the target, and why it must be requantized (None: codes are kept).
     Requantized defaults are what vLLM runs: symmetric, no act-order; a code-book source keeps its
     block size as the group size when GPTQ kernels take it (32/64/128), else 128; a float source
-    (data-free) gets 4-bit, group 128. A group must divide the module's input features."""
-    if opts.to in BNB4_TARGETS:
-        return _bnb4_target_spec(m, src, opts, comp)
-    where = comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else None
-    inp = m.in_features
-    if opts.to == "bnb8":
-        bits, group, sym, reason = _negotiate(m, src, opts, where, None)
-        if reason is None and (bits != 8 or src.group_size > 0 or not src.symmetric):
-            reason = (f"bitsandbytes int8 holds 8-bit symmetric codes with one scale per row; this module "
-                      f"has {src.bits}-bit {'sym' if src.symmetric else 'asym'} codes in groups of "
-                      f"{src.group_size}")
-        return QuantSpec("int", 8, -1, True, scale_divisor=127, scale_dtype="F32"), reason
+    (data-free) gets 4-bit, group 128. A group must divide the module's input features. A target with
+    its own fit (Target.fit) fits the module itself."""
     tgt = registered_target(opts.to)
+    where = comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else None
+    if tgt.fit is not None:
+        return tgt.fit(m, src, opts, lambda caps=None: _negotiate(m, src, opts, where, caps))
+    inp = m.in_features
     caps = tgt.caps
     bits, group, sym, reason = _negotiate(m, src, opts, where, caps)
     if reason is None and act_order and not caps.act_order:
@@ -180,7 +173,7 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
     else:
         scale_code = src.scale_dtype
     spec = QuantSpec("int", bits, -1 if group <= 0 else group, sym, scale_dtype=scale_code,
-                     zero_encoding="v2" if opts.to == "gptq-v2" else "v1" if tgt.family == "gptq" else None)
+                     zero_encoding=tgt.zero_encoding)
     try:                                     # predicted leaves: the layout can hold the module's shape
         tgt.leaves(spec, (m.out_features, inp), False)
     except ValueError as exc:
@@ -192,8 +185,8 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
 
 def _negotiate(m: QuantModule, src, opts: Options, where, caps) -> tuple[int, int, bool, str | None]:
     """(bits, group, sym, reason) a module gets in an integer target: the request where given, else the
-    source's, fitted to the target's caps (None: bnb int8, checked by the caller); reason says why the
-    codes cannot be kept (None: they are)."""
+    source's, fitted to the target's caps (None: unfitted, for a target's own fit to check); reason says
+    why the codes cannot be kept (None: they are)."""
     codebook = src.scheme != "int"
     inp = m.in_features
     bits = opts.bits or (4 if codebook else src.bits)
@@ -270,6 +263,21 @@ def _one_group_size(comp: Component, modules: list[QuantModule], planned: dict, 
     return out
 
 
+def _written_target(comp: Component, modules: list[QuantModule], planned: dict, opts: Options):
+    """(opts, planned) for the target that writes the planned modules: a target with a packing hook
+    (Target.written_by; auto-round) may hand them to another registered target, picked from their
+    specs before any data is read; they are then planned again against that target's caps."""
+    if opts.to not in PACKED_TARGETS:
+        return opts, planned
+    written = registered_target(opts.to).written_by(
+        {m.name: (planned[m.name][2], (m.out_features, m.in_features)) for m in modules})
+    if written.name == opts.to:
+        return opts, planned
+    opts = replace(opts, to=written.name)
+    return opts, {m.name: (src_spec, act_order, *_target_spec(m, src_spec, opts, comp, act_order))
+                  for m in modules for src_spec, act_order, _, _ in [planned[m.name]]}
+
+
 def _default_group(preferred: int | None, inp: int) -> int:
     """The first of the source's block size and 128, 64, 32 that GPTQ kernels take and that divides the
     module's input features; else one group per row."""
@@ -279,40 +287,15 @@ def _default_group(preferred: int | None, inp: int) -> int:
     return -1
 
 
-def _bnb4_target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component):
-    from ..formats.bnb_codec import CODEBOOKS
-
-    qtype = BNB4_TARGETS[opts.to]
-    same_book = src.scheme == qtype
-    blocksize = opts.blocksize or (src.group_size if same_book else 64)
-    storage = STORAGE_CODES[opts.quant_storage] if opts.quant_storage else (src.storage if same_book else "U8")
-    source_dq = same_book and m.details.get("double_quant", False)
-    double = source_dq if opts.double_quant is None else opts.double_quant
-    spec = QuantSpec(qtype, 4, blocksize, True, codebook=tuple(map(float, CODEBOOKS[qtype])),
-                     scale_dtype="F32", storage=storage)
-    if src.scheme == "float":
-        return spec, f"{src.name} weights quantized data-free (no calibration data)"
-    if not same_book:
-        return spec, f"{src.name} codes become {qtype}"
-    if blocksize != src.group_size:
-        return spec, f"blocksize {src.group_size} becomes {blocksize}"
-    if double and not source_dq:
-        return spec, "block absmax gets double-quantized"
-    return spec, None
-
-
-def _retarget(qt: QuantTensor, spec: QuantSpec, stats: Stats) -> QuantTensor:
-    """Same codes and zero points, scales re-expressed for the target."""
+def _retarget(qt: QuantTensor, spec: QuantSpec, stats: Stats, tgt, settings: dict) -> QuantTensor:
+    """Same codes and zero points, scales re-expressed for the target (its retarget hook where it has
+    one: bitsandbytes' SCB = s * 127, its double quantization kept or dropped)."""
+    if tgt.retarget is not None:
+        qt, exact = tgt.retarget(qt, spec, settings)
+        if exact is not None:
+            stats.scale_rounding(exact, qt.scales)
+        return qt
     src = qt.spec
-    if spec.scale_divisor == 127:                               # -> bitsandbytes: SCB = s * 127
-        if src.scale_divisor == 127:
-            scales = qt.scales
-        else:
-            scales = _scb_from_scales(qt.scales)
-            stats.scale_rounding(qt.scales.astype(np.float64) * 127, scales)
-        if np.any(qt.zeros != 128):
-            raise AssertionError("symmetric 8-bit codes must have zero point 128")
-        return replace(qt, spec=spec, scales=scales)
     exact = qt.scales.astype(np.float64) / src.scale_divisor
     if src.scale_divisor == 1 and spec.scale_dtype == src.scale_dtype:
         stored = qt.scales
@@ -321,19 +304,6 @@ def _retarget(qt: QuantTensor, spec: QuantSpec, stats: Stats) -> QuantTensor:
         stored = to_float32(encode_float(s32.astype(np.float32), spec.scale_dtype), spec.scale_dtype)
     stats.scale_rounding(exact, stored)
     return replace(qt, spec=spec, scales=stored)
-
-
-def _scb_from_scales(s: np.ndarray) -> np.ndarray:
-    """SCB for GPTQ scales s, inverting s = float32(SCB / 127). bitsandbytes computes SCB on the
-    weight cast to float16, so an SCB is a float16 value: where one maps to s, it is the SCB that
-    produced s (so bnb8 -> GPTQ with float32 scales -> bnb8 gives back the same bytes). Otherwise
-    s * 127 rounded once (exact for float16 or bfloat16 scales, so GPTQ -> bnb8 -> GPTQ is identical)."""
-    product = s.astype(np.float64) * 127
-    scb = product.astype(np.float32)
-    with np.errstate(over="ignore"):
-        half = product.astype(np.float16).astype(np.float32)
-    hit = np.isfinite(half) & ((half / np.float32(127)).astype(np.float32) == s)
-    return np.where(hit, half, scb).astype(np.float32)
 
 
 class _ModuleCache:
@@ -350,69 +320,43 @@ class _ModuleCache:
         return self.value
 
 
-def _encode_bnb4(source: QuantTensor, spec: QuantSpec, lossy: str | None, keep_dq: bool, want_dq: bool,
-                 stats: Stats, m: QuantModule):
-    from ..formats.bnb_codec import double_quantize, encode_4bit, quantize_4bit
-
-    same_codes = source.spec.scheme == spec.scheme and source.spec.group_size == spec.group_size
+def _layer_error(w: np.ndarray, qt: QuantTensor, rtn: QuantTensor):
+    """The error a requantized module adds, next to plain round-to-nearest's (a target's own requantizer)."""
     from .requantize import LayerError, error
 
-    if lossy:
-        w = source.dequantize()
-        if same_codes:                        # only the absmax changes: keep the codes
-            codes, absmax = source.codes, source.scales
-        else:
-            codes, absmax = quantize_4bit(w, spec.scheme, spec.group_size)
-        rtn_codes, rtn_absmax = quantize_4bit(w, spec.scheme, spec.group_size, search=False)
-        dq = double_quantize(absmax) if want_dq else None
-        qt = QuantTensor(spec, source.shape, source.dtype, codes=codes,
-                         scales=dq.decode() if dq is not None else absmax, double_quant=dq)
-        rtn_dq = double_quantize(rtn_absmax) if want_dq else None
-        rtn = QuantTensor(spec, source.shape, source.dtype, codes=rtn_codes,
-                          scales=rtn_dq.decode() if rtn_dq is not None else rtn_absmax)
-        rel, mx, sq = error(w, qt.dequantize())
-        rtn_rel, _, rtn_sq = error(w, rtn.dequantize())
-        stats.requantized(m.name, lossy, source.spec.name, spec.name, LayerError(rel, mx, sq, rtn_rel, rtn_sq))
-    else:
-        qt = replace(source, spec=spec, double_quant=source.double_quant if keep_dq else None)
-    stats.modules += 1
-    return encode_4bit(qt)
+    rel, mx, sq = error(w, qt.dequantize())
+    rtn_rel, _, rtn_sq = error(w, rtn.dequantize())
+    return LayerError(rel, mx, sq, rtn_rel, rtn_sq)
 
 
 def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, cache: _ModuleCache,
-                    stats: Stats, src_dtype: str, with_g_idx: bool, lossy: str | None) -> list[OutTensor]:
+                    stats: Stats, src_dtype: str, with_g_idx: bool,
+                    lossy: str | None) -> tuple[list[OutTensor], dict]:
+    """The module's output tensors, planned from headers (data encoded only when the writer asks), and
+    the write settings its target's plan gave it (Target.plan; {} for targets without one)."""
     out, inp = m.out_features, m.in_features
-    source_dq = m.family == "bnb4" and m.details.get("double_quant", False)
-    keep_dq = opts.to in BNB4_TARGETS and not lossy and source_dq and opts.double_quant is not False
-    want_dq = opts.to in BNB4_TARGETS and (opts.double_quant if opts.double_quant is not None else
-                                           (source_dq and m.scheme == BNB4_TARGETS[opts.to]))
-    weight_dtype = m.details.get("dtype") or src_dtype
     # GPTQ targets always carry g_idx, as GPTQModel and AutoGPTQ write it (trivial, i // group, without
     # act-order): loaders that expect it get real values, and GPTQ -> v2 -> GPTQ is byte-identical.
     # Others carry none (act-order was planned as a requantization where they cannot store it).
-    tgt = registered_target(opts.to) if opts.to in PACKED_TARGETS else None
-    write_g_idx = tgt is not None and (tgt.g_idx == "always" or with_g_idx)
+    tgt = registered_target(opts.to)
+    write_g_idx = tgt.g_idx == "always" or with_g_idx
 
-    def encoded(st: Stats = stats):
+    def encoded(st: Stats, settings: dict):
         source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
-        if opts.to in BNB4_TARGETS:
-            return _encode_bnb4(source, spec, lossy, keep_dq, want_dq, st, m)
-        if lossy and spec.scale_divisor == 127:           # -> bnb int8: per-row 8-bit, then SCB = s * 127
-            qt, err = requantize(source.dequantize(), 8, -1, True, "F32", source.dtype)
-            st.requantized(m.name, lossy, source.spec.name, spec.name, err)
-            qt = _retarget(qt, spec, Stats())
+        if lossy and tgt.requantize is not None:        # the target's own quantizer (code books)
+            w = source.dequantize()
+            qt, rtn = tgt.requantize(source, w, spec, settings)
+            st.requantized(m.name, lossy, source.spec.name, spec.name, _layer_error(w, qt, rtn))
         elif lossy:
             qt, err = requantize(source.dequantize(), spec.bits, spec.group_size, spec.symmetric,
                                  spec.scale_dtype, source.dtype)
-            qt = replace(qt, spec=spec)
+            qt = replace(qt, spec=spec) if tgt.retarget is None else tgt.retarget(qt, spec, settings)[0]
             st.requantized(m.name, lossy, source.spec.name, spec.name, err)
         else:
-            qt = _retarget(source, spec, st)
+            qt = _retarget(source, spec, st, tgt, settings)
         st.modules += 1
         if spec.zero_encoding == "v1" and qt.zeros is not None and bool((qt.zeros == 0).any()):
             st.v1_zero.append(m.name)
-        if opts.to == "bnb8":
-            return encode_int8(qt)
         if qt.g_idx is not None and not with_g_idx:
             raise _refuse(m, comp, f"act-order g_idx cannot be stored in {opts.to}")  # planned as lossy
         try:
@@ -420,44 +364,17 @@ def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, c
         except ValueError as exc:             # data the header-level plan could not see (zero points)
             raise _refuse(m, comp, f"cannot be stored as {opts.to}: {exc}") from None
 
-    def encoded_offset():
-        quant_state = next(v for k, v in encoded(Stats()).items() if k.startswith("weight.quant_state."))[1]
-        return json.loads(quant_state.tobytes())["nested_offset"]
+    settings = {}
+    if tgt.plan is not None:                  # settings the header needs first (a nested double-quant offset)
+        settings = tgt.plan(ModuleContext(m, spec, lossy, opts, m.details.get("dtype") or src_dtype,
+                                          lambda trial: encoded(Stats(), trial)))
 
     def tensor(leaf, dtype, shape):
         return OutTensor(f"{m.name}.{leaf}", dtype, shape,
-                         lambda: [cache.get(m.name, encoded)[leaf][1]])
+                         lambda: [cache.get(m.name, lambda: encoded(stats, settings))[leaf][1]])
 
-    if opts.to == "bnb8":
-        return [tensor("weight", "I8", (out, inp)), tensor("SCB", "F32", (out,)),
-                tensor("weight_format", "U8", ())]
-    if opts.to in BNB4_TARGETS:
-        from ..formats.bnb_codec import _STORAGE_NUMPY, quant_state_json
-        n, bs = out * inp, spec.group_size
-        nb = -(-n // bs)
-        itemsize = np.dtype(_STORAGE_NUMPY[spec.storage]).itemsize
-        if ((n + 1) // 2) % itemsize:
-            raise UnsupportedFormat(f"{(n + 1) // 2} packed bytes cannot be stored as {spec.storage}",
-                                    tensor=m.name)
-        has_dq = keep_dq or want_dq
-        nested = m.details["quant_state"].get("nested_blocksize", 256) if keep_dq else 256
-        if keep_dq:
-            offset = m.details["quant_state"].get("nested_offset")
-        elif want_dq:
-            # The JSON's length depends on the new offset's digits, and the header comes first: work the
-            # offset out now (one module at a time; the write pass recomputes the same numbers).
-            offset = encoded_offset()
-        else:
-            offset = None
-        blob = quant_state_json(spec.scheme, bs, weight_dtype, (out, inp), offset, nested)
-        tensors = [tensor("weight", spec.storage, ((n + 1) // 2 // itemsize, 1)),
-                   tensor("weight.absmax", "U8" if has_dq else "F32", (nb,)),
-                   tensor("weight.quant_map", "F32", (16,))]
-        if has_dq:
-            tensors += [tensor("weight.nested_absmax", "F32", (-(-nb // nested),)),
-                        tensor("weight.nested_quant_map", "F32", (256,))]
-        return tensors + [tensor(f"weight.quant_state.bitsandbytes__{spec.scheme}", "U8", (len(blob),))]
-    return [tensor(leaf, dtype, shape) for leaf, (dtype, shape) in tgt.leaves(spec, (out, inp), write_g_idx).items()]
+    leaves = tgt.module_leaves(spec, (out, inp), write_g_idx, settings)
+    return [tensor(leaf, dtype, shape) for leaf, (dtype, shape) in leaves.items()], settings
 
 
 def _linear_modules(comp: Component) -> list[str]:
@@ -465,47 +382,13 @@ def _linear_modules(comp: Component) -> list[str]:
             if n.endswith(".weight") and len(i.shape) == 2 and i.dtype in FLOAT_DTYPES]
 
 
-def _skip_prefixes(unquantized: list[str], quantized: list[str]) -> list[str]:
-    """The shortest dotted prefixes covering the unquantized Linears and no quantized one: what
-    transformers 5 (anchored match up to a dot) and 4 (substring `key.`) both skip as intended."""
-    out = set()
-    for name in unquantized:
-        parts = name.split(".")
-        for i in range(1, len(parts) + 1):
-            prefix = ".".join(parts[:i])
-            if not any(q == prefix or q.startswith(prefix + ".") for q in quantized):
-                out.add(prefix)
-                break
-    return sorted(out, key=natural_key)
-
-
 def _quant_config(comp: Component, opts: Options, specs: dict[str, QuantSpec], desc_act: bool,
-                  dq: dict[str, bool] | None = None) -> dict:
-    dq = dq or {}
-    quantized = sorted(specs, key=natural_key)
+                  settings: dict[str, dict] | None = None, requantized: frozenset = frozenset()) -> dict:
     src_qc = comp.config.get("quantization_config") if comp.config else None
-    if opts.to in BNB4_TARGETS:
-        spec = next(iter(specs.values()))
-        skip = _skip_prefixes([n for n in _linear_modules(comp) if n not in specs], quantized)
-        compute = (src_qc or {}).get("bnb_4bit_compute_dtype") or "float32"
-        storage = {v: k for k, v in STORAGE_CODES.items()}
-        return {"quant_method": "bitsandbytes", "load_in_8bit": False, "load_in_4bit": True,
-                "_load_in_8bit": False, "_load_in_4bit": True, "llm_int8_threshold": 6.0,
-                "llm_int8_skip_modules": skip, "llm_int8_enable_fp32_cpu_offload": False,
-                "llm_int8_has_fp16_weight": False, "bnb_4bit_compute_dtype": compute,
-                "bnb_4bit_quant_type": spec.scheme, "bnb_4bit_use_double_quant": any(dq.values()),
-                "bnb_4bit_quant_storage": storage[spec.storage]}
-    if opts.to == "bnb8":
-        skip = _skip_prefixes([n for n in _linear_modules(comp) if n not in specs], quantized)
-        return {"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False,
-                "_load_in_8bit": True, "_load_in_4bit": False, "llm_int8_threshold": 6.0,
-                "llm_int8_skip_modules": skip, "llm_int8_enable_fp32_cpu_offload": False,
-                "llm_int8_has_fp16_weight": False, "bnb_4bit_compute_dtype": "float32",
-                "bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": False,
-                "bnb_4bit_quant_storage": "uint8"}
     unquantized = tuple(n for n in _linear_modules(comp) if n not in specs)
     try:
-        return registered_target(opts.to).config(WriteContext(specs, unquantized, desc_act, src_qc))
+        return registered_target(opts.to).config(WriteContext(specs, unquantized, desc_act, src_qc,
+                                                              settings or {}, requantized))
     except ValueError as exc:
         raise UnsupportedFormat(f"cannot be written as {opts.to}: {exc}", file=comp.path) from None
 
@@ -523,7 +406,7 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
     src_cfg = gptq_codec.parse_config(det.qc) if det.qc and det.cfg_method in ("gptq", "auto-round") else {}
     desc_act = bool(src_cfg.get("desc_act")) and opts.to in PACKED_TARGETS and registered_target(opts.to).caps.act_order
     source_act_order = bool(src_cfg.get("desc_act"))
-    act_order_kept, lossy_of = [], {}
+    act_order_kept, lossy_of, settings = [], {}, {}
     planned = {}
     for m in modules:
         src_spec = _source_spec(comp, det, m, src_dtype)
@@ -531,6 +414,7 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
         planned[m.name] = (src_spec, act_order, *_target_spec(m, src_spec, opts, comp, act_order))
     if opts.to in PACKED_TARGETS and registered_target(opts.to).caps.one_group_size:
         planned = _one_group_size(comp, modules, planned, opts)
+    opts, planned = _written_target(comp, modules, planned, opts)
     for m in modules:
         src_spec, act_order, spec, lossy = planned[m.name]
         specs[m.name] = spec
@@ -538,16 +422,17 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
         with_g_idx = desc_act and act_order and not lossy
         if with_g_idx:
             act_order_kept.append(m.name)
-        for t in _module_outputs(comp, det, m, spec, opts, cache, stats, src_dtype, with_g_idx, lossy):
+        tensors, settings[m.name] = _module_outputs(comp, det, m, spec, opts, cache, stats, src_dtype, with_g_idx,
+                                                    lossy)
+        for t in tensors:
             outputs[t.name] = t
     for name, info in comp.tensors.items():
         if name not in claimed:
             outputs[name] = passthrough(info)
     plan = [outputs[k] for k in sorted(outputs, key=natural_key)]
     config = dict(comp.config) if comp.config is not None else {}
-    double = {m.name: (opts.to in BNB4_TARGETS and not lossy_of[m.name] and m.details.get("double_quant", False)
-                       and opts.double_quant is not False) for m in modules}
-    config["quantization_config"] = _quant_config(comp, opts, specs, bool(act_order_kept), double)
+    config["quantization_config"] = _quant_config(comp, opts, specs, bool(act_order_kept), settings,
+                                                  frozenset(n for n, why in lossy_of.items() if why))
     written = write_component(comp, out_dir, plan, config, max_shard, f"converting {comp.name}")
     if opts.to in PACKED_TARGETS and registered_target(opts.to).activations:
         from ..formats.checkpoint import open_component

@@ -60,16 +60,23 @@ def pack_interleaved(codes_t: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(wt.T).view(np.int32)
 
 
-def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, dtype: str) -> QuantTensor:
+def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, dtype: str,
+         rows: tuple[int, int] | None = None) -> QuantTensor:
     """The module as a QuantTensor: codes uint8 [out, in], true zero points uint8 [out, G], float32
-    scales [out, G] (exactly the stored F16/BF16 values), spec.scale_dtype the stored code."""
+    scales [out, G] (exactly the stored F16/BF16 values), spec.scale_dtype the stored code. rows: only
+    output rows r0:r1 (multiples of 8, or the last row), read as column windows of the words."""
     check(m, tensors, qc)
     qweight = tensors[m.name + ".qweight"]
     zeros_info, scales_info = tensors[m.name + ".qzeros"], tensors[m.name + ".scales"]
     out, inp = m.out_features, m.in_features
-    codes = unpack_interleaved(read_array(qweight))                                   # [out, in]
-    zeros = unpack_interleaved(read_array(zeros_info))                                # [out, G]
-    scales = finite_scales(to_float32(read_array(scales_info), scales_info.dtype), scales_info)
+    r0, r1 = rows or (0, out)
+    if r0 % PACK or r1 % PACK or not 0 <= r0 <= r1 <= out:
+        raise ValueError(f"rows {r0}:{r1} of {m.name} are not whole words of {PACK} output channels")
+    words = (r0 // PACK, r1 // PACK)
+    codes = unpack_interleaved(read_array(qweight, cols=words))                       # [rows, in]
+    zeros = unpack_interleaved(read_array(zeros_info, cols=words))                    # [rows, G]
+    scales = finite_scales(to_float32(read_array(scales_info, cols=(r0, r1)), scales_info.dtype), scales_info)
+    out = r1 - r0
     if codes.shape != (out, inp) or zeros.shape[0] != out:
         raise CorruptCheckpoint(f"decoded codes {list(codes.shape)} do not match [{out}, {inp}]",
                                 file=qweight.file, tensor=qweight.name)

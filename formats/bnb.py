@@ -1,5 +1,6 @@
 """bitsandbytes LLM.int8 (``Linear8bitLt``) and 4-bit (``Linear4bit``) checkpoints, from headers
-(stdlib only, so `inspect` stays light; decoding the data is bnb_codec.py).
+(stdlib only, so `inspect` stays light; decoding the data is bnb_codec.py), and what the writers
+(the registry targets bnb8, bnb4-nf4, bnb4-fp4) store and configure, from specs alone.
 
 LLM.int8, per quantized Linear ``P`` (FORMATS.md §1.1)::
 
@@ -27,7 +28,7 @@ import re
 from typing import Mapping
 
 from ..errors import CorruptCheckpoint
-from .layout import QuantModule, common, examples
+from .layout import QuantModule, common, examples, natural_key
 from .safetensors_header import FLOAT_DTYPES, TensorInfo, read_small_tensors
 
 QS_PREFIX = ".weight.quant_state.bitsandbytes__"
@@ -315,3 +316,103 @@ def lint(qc: Mapping, modules: list[QuantModule], all_modules: set[str], comp, w
         if storages != {cfg["quant_storage"]}:
             warnings.append(f"config bnb_4bit_quant_storage is {cfg['quant_storage']!r} but the packed "
                             f"weights are stored as {'/'.join(sorted(map(str, storages)))}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writers: the registry targets bnb8, bnb4-nf4 and bnb4-fp4 (formats/registry.py). What they store and
+# their quantization_config, from specs alone (stdlib); fitting specs, planning double quant and encoding
+# the data are bnb_codec.py's.
+
+FOUR_BIT_TARGETS = {"bnb4-nf4": "nf4", "bnb4-fp4": "fp4"}     # --to name -> bnb_4bit_quant_type
+_ITEMSIZE = {"U8": 1, "I8": 1, "F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+
+
+def int8_leaves(spec, shape: tuple[int, int], g_idx: bool) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """What bnb_codec.encode_int8 stores (FORMATS.md §1.1): CB, SCB, a row-major weight_format."""
+    out, inp = shape
+    return {"weight": ("I8", (out, inp)), "SCB": ("F32", (out,)), "weight_format": ("U8", ())}
+
+
+def packed_items(n: int, storage: str) -> int:
+    """Items of the quant storage dtype that hold n 4-bit codes (two a byte); ValueError where the packed
+    bytes are not a whole number of them."""
+    nbytes = (n + 1) // 2
+    if nbytes % _ITEMSIZE[storage]:
+        raise ValueError(f"{nbytes} packed bytes cannot be stored as {storage}")
+    return nbytes // _ITEMSIZE[storage]
+
+
+def quant_state_json(quant_type: str, blocksize: int, dtype: str, shape, nested_offset=None,
+                     nested_blocksize: int = 256) -> bytes:
+    """The packed quant_state exactly as bitsandbytes writes it: json.dumps of QuantState.as_dict's
+    non-tensor items, in that order (FORMATS.md §2.1). Known before any data is read, so a writer can
+    plan its header (the nested offset of a double-quantized source comes from the source's JSON)."""
+    state = {"quant_type": quant_type, "blocksize": blocksize, "dtype": dtype, "shape": list(shape)}
+    if nested_offset is not None:
+        state.update({"nested_blocksize": nested_blocksize, "nested_dtype": "float32",
+                      "nested_offset": float(nested_offset)})
+    return json.dumps(state).encode("utf-8")
+
+
+def four_bit_leaves(spec, shape: tuple[int, int], g_idx: bool, *, dtype: str = "float16",
+                    double_quant: bool = False, nested_blocksize: int = 256,
+                    nested_offset=None) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """What bnb_codec.encode_4bit stores (FORMATS.md §2.1), given the module's write settings
+    (bnb_codec.plan_4bit; the defaults: a float16 weight without double quantization): the packed weight
+    in spec.storage, the block absmax (uint8 codes under double quant), the code book, the nested state,
+    and the quant_state JSON, whose length depends on the dtype, the shape and the nested offset."""
+    out, inp = shape
+    n, bs = out * inp, spec.group_size
+    storage = spec.storage or "U8"
+    n_blocks = -(-n // bs)
+    blob = quant_state_json(spec.scheme, bs, dtype, (out, inp), nested_offset if double_quant else None,
+                            nested_blocksize)
+    leaves = {"weight": (storage, (packed_items(n, storage), 1)),
+              "weight.absmax": ("U8" if double_quant else "F32", (n_blocks,)),
+              "weight.quant_map": ("F32", (16,))}
+    if double_quant:
+        leaves["weight.nested_absmax"] = ("F32", (-(-n_blocks // nested_blocksize),))
+        leaves["weight.nested_quant_map"] = ("F32", (256,))
+    leaves[f"weight.quant_state.bitsandbytes__{spec.scheme}"] = ("U8", (len(blob),))
+    return leaves
+
+
+def skip_prefixes(unquantized, quantized) -> list[str]:
+    """The shortest dotted prefixes covering the unquantized Linears and no quantized one: what
+    transformers 5 (anchored match up to a dot) and 4 (substring `key.`) both skip as intended."""
+    out = set()
+    for name in unquantized:
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if not any(q == prefix or q.startswith(prefix + ".") for q in quantized):
+                out.add(prefix)
+                break
+    return sorted(out, key=natural_key)
+
+
+def config_writer(four_bit: bool):
+    """The quantization_config transformers saves for LLM.int8 (four_bit False) or 4-bit: every field
+    BitsAndBytesConfig.to_dict writes, the unquantized Linears as llm_int8_skip_modules prefixes. 4-bit:
+    the quant type and storage of the (uniform) specs, the source's compute dtype (else float32), double
+    quant where a module is written with it (WriteContext.settings: kept from the source or added by
+    --double-quant), as the nested tensors beside it say."""
+    def config(ctx) -> dict:
+        skip = skip_prefixes(ctx.unquantized, sorted(ctx.specs, key=natural_key))
+        if not four_bit:
+            return {"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False,
+                    "_load_in_8bit": True, "_load_in_4bit": False, "llm_int8_threshold": 6.0,
+                    "llm_int8_skip_modules": skip, "llm_int8_enable_fp32_cpu_offload": False,
+                    "llm_int8_has_fp16_weight": False, "bnb_4bit_compute_dtype": "float32",
+                    "bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": False,
+                    "bnb_4bit_quant_storage": "uint8"}
+        spec = next(iter(ctx.specs.values()))
+        compute = (ctx.source_qc or {}).get("bnb_4bit_compute_dtype") or "float32"
+        written_dq = any(ctx.settings.get(n, {}).get("double_quant", False) for n in ctx.specs)
+        return {"quant_method": "bitsandbytes", "load_in_8bit": False, "load_in_4bit": True,
+                "_load_in_8bit": False, "_load_in_4bit": True, "llm_int8_threshold": 6.0,
+                "llm_int8_skip_modules": skip, "llm_int8_enable_fp32_cpu_offload": False,
+                "llm_int8_has_fp16_weight": False, "bnb_4bit_compute_dtype": compute,
+                "bnb_4bit_quant_type": spec.scheme, "bnb_4bit_use_double_quant": written_dq,
+                "bnb_4bit_quant_storage": STORAGE_NAMES[spec.storage]}
+    return config

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import math
+from dataclasses import replace
 from typing import Mapping
 
 import numpy as np
 
 from ..errors import CorruptCheckpoint, UnsupportedFormat
+from .bnb import FOUR_BIT_TARGETS, packed_items, quant_state_json
 from .ir import DoubleQuant, QuantSpec, QuantTensor
 from .layout import QuantModule
 from .packing import unpack_nibbles_high_first
@@ -50,20 +54,31 @@ def check_4bit_module(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Map
     check_4bit(m, tensors)
 
 
-def read_int8_module(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, dtype: str) -> QuantTensor:
-    return read_int8(m, tensors, dtype)
+def read_int8_module(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, dtype: str,
+                     rows: tuple[int, int] | None = None) -> QuantTensor:
+    return read_int8(m, tensors, dtype, rows)
 
 
-def read_4bit_module(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, dtype: str) -> QuantTensor:
-    return read_4bit(m, tensors)
+def read_4bit_module(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, dtype: str,
+                     rows: tuple[int, int] | None = None) -> QuantTensor:
+    return read_4bit(m, tensors, rows)
 
 
-def read_int8(m: QuantModule, tensors: Mapping[str, TensorInfo], dtype: str) -> QuantTensor:
-    """LLM.int8: codes CB + 128 against zero point 128, scale SCB with divisor 127 (bnb's order)."""
+def four_bit_row_step(m: QuantModule) -> int:
+    """Rows a window of a 4-bit module starts on: whole blocks of the flattened weight (r * in a
+    multiple of the blocksize) and whole bytes of the packed codes."""
+    bs = m.group_size if m.group_size and m.group_size > 0 else 1
+    return math.lcm(bs // math.gcd(m.in_features, bs), 2 // math.gcd(m.in_features, 2))
+
+
+def read_int8(m: QuantModule, tensors: Mapping[str, TensorInfo], dtype: str,
+              rows: tuple[int, int] | None = None) -> QuantTensor:
+    """LLM.int8: codes CB + 128 against zero point 128, scale SCB with divisor 127 (bnb's order).
+    rows: only output rows r0:r1 (a QuantTensor of r1 - r0 rows)."""
     check_int8(m, tensors)
     weight_info, scb_info = tensors[m.name + ".weight"], tensors[m.name + ".SCB"]
-    cb = read_array(weight_info)
-    scb = finite_scales(read_array(scb_info), scb_info)
+    cb = read_array(weight_info, rows=rows)
+    scb = finite_scales(read_array(scb_info, rows=rows), scb_info)
     if np.any(scb < 0):
         raise CorruptCheckpoint("SCB holds negative row scales", file=scb_info.file, tensor=scb_info.name)
     out = cb.shape[0]
@@ -81,13 +96,27 @@ def check_4bit(m: QuantModule, tensors: Mapping[str, TensorInfo]) -> None:
                                 file=m.file(tensors), tensor=m.name)
 
 
-def read_4bit(m: QuantModule, tensors: Mapping[str, TensorInfo]) -> QuantTensor:
+def read_4bit(m: QuantModule, tensors: Mapping[str, TensorInfo],
+              rows: tuple[int, int] | None = None) -> QuantTensor:
+    """rows: only output rows r0:r1, whose ends are multiples of four_bit_row_step (or the last row):
+    their codes and the absmax of their blocks (decoded from the whole double quantization)."""
     check_4bit(m, tensors)
     qs = m.details["quant_state"]
     qtype = m.scheme
-    n = m.out_features * m.in_features
+    r0, r1 = rows or (0, m.out_features)
+    step = four_bit_row_step(m)
+    if r0 % step or (r1 % step and r1 != m.out_features) or not 0 <= r0 <= r1 <= m.out_features:
+        raise ValueError(f"rows {r0}:{r1} are not whole blocks of {m.name}")
+    n = (r1 - r0) * m.in_features
     weight = tensors[m.name + ".weight"]
-    codes = unpack_nibbles_high_first(read_array(weight), n)
+    if rows is None:
+        codes = unpack_nibbles_high_first(read_array(weight), n)
+    else:                        # the stored shape is [bytes / itemsize, 1]: rows of whole items
+        item = weight.nbytes // max(weight.shape[0], 1) if weight.shape else 1
+        b0, b1 = r0 * m.in_features // 2, -(-r1 * m.in_features // 2)
+        i0, i1 = b0 // item, -(-b1 // item)
+        raw = read_array(weight, rows=(i0, min(i1, weight.shape[0]))).view(np.uint8).reshape(-1)
+        codes = unpack_nibbles_high_first(raw[b0 - i0 * item:b1 - i0 * item], n)
     prefix = m.name + ".weight."
     double = None
     if m.details["double_quant"]:
@@ -110,6 +139,10 @@ def read_4bit(m: QuantModule, tensors: Mapping[str, TensorInfo]) -> QuantTensor:
                                 tensor=info.name)
     spec = QuantSpec(qtype, 4, m.group_size, True, codebook=tuple(float(v) for v in CODEBOOKS[qtype]),
                      scale_dtype="F32", storage=weight.dtype)
+    if rows is not None:         # the window's blocks (whole: r0 * in is a multiple of the blocksize)
+        bs = m.group_size
+        return QuantTensor(spec, (r1 - r0, m.in_features), dtype, codes=codes,
+                           scales=absmax[r0 * m.in_features // bs:-(-r1 * m.in_features // bs)])
     return QuantTensor(spec, (m.out_features, m.in_features), dtype, codes=codes, scales=absmax,
                        double_quant=double)
 
@@ -179,20 +212,6 @@ def encode_int8(qt: QuantTensor) -> dict[str, tuple[str, np.ndarray]]:
             "weight_format": ("U8", np.zeros((), np.uint8))}
 
 
-def quant_state_json(quant_type: str, blocksize: int, dtype: str, shape, nested_offset=None,
-                     nested_blocksize: int = 256) -> bytes:
-    """The packed quant_state exactly as bitsandbytes writes it: json.dumps of QuantState.as_dict's
-    non-tensor items, in that order (FORMATS.md §2.1). Known before any data is read, so a writer can
-    plan its header (the nested offset of a double-quantized source comes from the source's JSON)."""
-    import json
-
-    state = {"quant_type": quant_type, "blocksize": blocksize, "dtype": dtype, "shape": list(shape)}
-    if nested_offset is not None:
-        state.update({"nested_blocksize": nested_blocksize, "nested_dtype": "float32",
-                      "nested_offset": float(nested_offset)})
-    return json.dumps(state).encode("utf-8")
-
-
 def encode_4bit(qt: QuantTensor) -> dict[str, tuple[str, np.ndarray]]:
     from .packing import pack_nibbles_high_first
 
@@ -249,3 +268,131 @@ def quantize_4bit(w: np.ndarray, quant_type: str, blocksize: int, *, search: boo
             best[1] = np.where(better, scale, best[1])
             best[2] = np.where(better[:, None], codes, best[2])
     return best[2].reshape(-1)[:n], best[1].astype(np.float32)
+
+
+def scb_from_scales(s: np.ndarray) -> np.ndarray:
+    """SCB for GPTQ-style scales s, inverting s = float32(SCB / 127). bitsandbytes computes SCB on the
+    weight cast to float16, so an SCB is a float16 value: where one maps to s, it is the SCB that
+    produced s (so bnb8 -> GPTQ with float32 scales -> bnb8 gives back the same bytes). Otherwise
+    s * 127 rounded once (exact for float16 or bfloat16 scales, so GPTQ -> bnb8 -> GPTQ is identical)."""
+    product = s.astype(np.float64) * 127
+    scb = product.astype(np.float32)
+    with np.errstate(over="ignore"):
+        half = product.astype(np.float16).astype(np.float32)
+    hit = np.isfinite(half) & ((half / np.float32(127)).astype(np.float32) == s)
+    return np.where(hit, half, scb).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry targets' hooks (formats/registry.py, Target): bnb8 and bnb4-nf4 / bnb4-fp4
+
+def encode_for(target: str, qt: QuantTensor, spec: QuantSpec, g_idx: bool) -> dict[str, tuple[str, np.ndarray]]:
+    """The tensors of one module, as bnb.int8_leaves / bnb.four_bit_leaves predict them (bitsandbytes
+    stores no g_idx; qt is already in the target's terms: retarget_int8 / retarget_4bit / requantize_4bit)."""
+    return encode_4bit(qt) if target in FOUR_BIT_TARGETS else encode_int8(qt)
+
+
+def fit_int8(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str | None]:
+    """bnb8's spec for a module: 8-bit symmetric codes with one scale per row (SCB: divisor 127, float32),
+    whatever the request. The request and the source's settings are negotiated unfitted (its refusals,
+    and the reason a change of bits or groups gives); codes are kept only where the source's are 8-bit
+    symmetric per row."""
+    bits, group, sym, reason = negotiate()
+    if reason is None and (bits != 8 or src.group_size > 0 or not src.symmetric):
+        reason = (f"bitsandbytes int8 holds 8-bit symmetric codes with one scale per row; this module "
+                  f"has {src.bits}-bit {'sym' if src.symmetric else 'asym'} codes in groups of "
+                  f"{src.group_size}")
+    return QuantSpec("int", 8, -1, True, scale_divisor=127, scale_dtype="F32"), reason
+
+
+def fit_4bit(quant_type: str, m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str | None]:
+    """A bnb4 target's spec for a module: its code book; blocksize, quant storage and double quant as
+    requested (request.blocksize, .quant_storage, .double_quant), else the source's where it has the same
+    code book, else 64, uint8, none. Codes are kept where code book and blocksize are the source's and no
+    double quantization is added (dropping or keeping it, or another storage dtype, keeps every value)."""
+    same_book = src.scheme == quant_type
+    blocksize = request.blocksize or (src.group_size if same_book else 64)
+    storage = (STORAGE_CODES[request.quant_storage] if request.quant_storage
+               else (src.storage if same_book else "U8"))
+    source_dq = same_book and m.details.get("double_quant", False)
+    double = source_dq if request.double_quant is None else request.double_quant
+    spec = QuantSpec(quant_type, 4, blocksize, True, codebook=tuple(map(float, CODEBOOKS[quant_type])),
+                     scale_dtype="F32", storage=storage)
+    if src.scheme == "float":
+        return spec, f"{src.name} weights quantized data-free (no calibration data)"
+    if not same_book:
+        return spec, f"{src.name} codes become {quant_type}"
+    if blocksize != src.group_size:
+        return spec, f"blocksize {src.group_size} becomes {blocksize}"
+    if double and not source_dq:
+        return spec, "block absmax gets double-quantized"
+    return spec, None
+
+
+def plan_4bit(ctx) -> dict:
+    """A bnb4 module's write settings (the keyword arguments of bnb.four_bit_leaves), before any tensor
+    is written: its dtype; double quant kept from a double-quantized source whose codes are kept (unless
+    --no-double-quant), made where asked (or where the source had it, same code book), with the nested
+    blocksize and offset that size the quant_state JSON: the source's where kept, else bitsandbytes'
+    offset (the mean of the new absmax), so the module is encoded once here to learn it. Refused: packed
+    bytes that are not whole items of the storage dtype."""
+    m, spec, request = ctx.module, ctx.spec, ctx.request
+    try:
+        packed_items(m.out_features * m.in_features, spec.storage)
+    except ValueError as exc:
+        raise UnsupportedFormat(str(exc), tensor=m.name) from None
+    source_dq = m.family == "bnb4" and m.details.get("double_quant", False)
+    keep = not ctx.reason and source_dq and request.double_quant is not False
+    want = (request.double_quant if request.double_quant is not None
+            else (source_dq and m.scheme == spec.scheme))
+    settings = {"dtype": ctx.dtype, "double_quant": bool(keep or want)}
+    if keep:
+        qs = m.details["quant_state"]
+        settings.update(nested_blocksize=qs.get("nested_blocksize", NESTED_BLOCKSIZE),
+                        nested_offset=qs.get("nested_offset"))
+    elif want:
+        # The JSON's length depends on the new offset's digits, and the header comes first: work the
+        # offset out now (one module at a time; the write pass recomputes the same numbers).
+        settings["nested_blocksize"] = NESTED_BLOCKSIZE
+        blob = next(a for leaf, (_, a) in ctx.encode(settings).items() if leaf.startswith("weight.quant_state."))
+        settings["nested_offset"] = json.loads(blob.tobytes())["nested_offset"]
+    return settings
+
+
+def requantize_4bit(source, w: np.ndarray, spec: QuantSpec, settings: Mapping) -> tuple[QuantTensor, QuantTensor]:
+    """A module requantized to spec's code book and blocksize from its exact weights w (block scales
+    searched, quantize_4bit), double-quantized where its settings say, and bitsandbytes' own
+    round-to-nearest for the report. A source with the same code book and blocksize keeps its codes and
+    absmax (only double quantization is added)."""
+    same_codes = source.spec.scheme == spec.scheme and source.spec.group_size == spec.group_size
+    if same_codes:
+        codes, absmax = source.codes, source.scales
+    else:
+        codes, absmax = quantize_4bit(w, spec.scheme, spec.group_size)
+    rtn_codes, rtn_absmax = quantize_4bit(w, spec.scheme, spec.group_size, search=False)
+    double = settings.get("double_quant", False)
+    dq = double_quantize(absmax) if double else None
+    qt = QuantTensor(spec, source.shape, source.dtype, codes=codes,
+                     scales=dq.decode() if dq is not None else absmax, double_quant=dq)
+    rtn_dq = double_quantize(rtn_absmax) if double else None
+    rtn = QuantTensor(spec, source.shape, source.dtype, codes=rtn_codes,
+                      scales=rtn_dq.decode() if rtn_dq is not None else rtn_absmax)
+    return qt, rtn
+
+
+def retarget_int8(qt: QuantTensor, spec: QuantSpec, settings: Mapping) -> tuple[QuantTensor, np.ndarray | None]:
+    """Kept 8-bit symmetric per-row codes with SCB scales: an LLM.int8 source's as they are, others'
+    SCB = s * 127 (scb_from_scales; exact: s * 127, what the stored SCB rounds)."""
+    if qt.spec.scale_divisor == 127:
+        scales, exact = qt.scales, None
+    else:
+        scales, exact = scb_from_scales(qt.scales), qt.scales.astype(np.float64) * 127
+    if np.any(qt.zeros != 128):
+        raise AssertionError("symmetric 8-bit codes must have zero point 128")
+    return replace(qt, spec=spec, scales=scales), exact
+
+
+def retarget_4bit(qt: QuantTensor, spec: QuantSpec, settings: Mapping) -> tuple[QuantTensor, None]:
+    """Kept codes and absmax in the target's storage, the source's double quantization kept or dropped
+    as the settings say (no value changes: nothing rounded)."""
+    return replace(qt, spec=spec, double_quant=qt.double_quant if settings.get("double_quant", False) else None), None

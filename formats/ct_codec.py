@@ -104,30 +104,39 @@ def _in_features(m: QuantModule, tensors: Mapping[str, TensorInfo]) -> int:
                             file=info.file, tensor=info.name)
 
 
-def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, dtype: str) -> QuantTensor:
+def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, dtype: str,
+         rows: tuple[int, int] | None = None) -> QuantTensor:
     """The module as a QuantTensor, exactly: ``dequantize()`` rounded to float16 is what
-    compressed-tensors decompresses for a float16 model."""
+    compressed-tensors decompresses for a float16 model. rows: only output rows r0:r1 (multiples of
+    32, or the last row: packed zero points hold 32 rows in whole words)."""
     check(m, tensors, qc)
     name, bits, out = m.name, m.bits, m.out_features
+    r0, r1 = rows or (0, out)
+    if (r0 % 32 or (r1 % 32 and r1 != out)) or not 0 <= r0 <= r1 <= out:
+        raise ValueError(f"rows {r0}:{r1} of {name} are not whole runs of 32 output channels")
+    window = None if rows is None else (r0, r1)
     offset = 1 << (bits - 1)
     scale_info = tensors[name + ".weight_scale"]
     groups = scale_info.shape[1]
     if m.details["layout"] == "pack":
         inp = _in_features(m, tensors)
-        codes = unpack_dense(read_array(tensors[name + ".weight_packed"]), bits, inp, axis=1)
+        codes = unpack_dense(read_array(tensors[name + ".weight_packed"], rows=window), bits, inp, axis=1)
     else:
         info = tensors[name + ".weight"]
         inp = info.shape[1]
-        codes = np.ascontiguousarray(_unsigned(read_array(info), bits, info, "codes"))
-    scales = finite_scales(to_float32(read_array(scale_info), scale_info.dtype), scale_info)
+        codes = np.ascontiguousarray(_unsigned(read_array(info, rows=window), bits, info, "codes"))
+    scales = finite_scales(to_float32(read_array(scale_info, rows=window), scale_info.dtype), scale_info)
+    out = r1 - r0
     if m.details["symmetric"]:
         zeros = np.full((out, groups), offset, dtype=np.uint8)
     else:
         info = tensors[name + ".weight_zero_point"]
         if m.details["layout"] == "pack":
-            zeros = unpack_dense(read_array(info), bits, out, axis=0)
+            w1 = info.shape[0] if r1 == m.out_features else r1 * bits // 32
+            zeros = unpack_dense(read_array(info, rows=None if rows is None else (r0 * bits // 32, w1)),
+                                 bits, out, axis=0)
         else:
-            zeros = np.ascontiguousarray(_unsigned(read_array(info), bits, info, "zero points"))
+            zeros = np.ascontiguousarray(_unsigned(read_array(info, rows=window), bits, info, "zero points"))
     group_size = m.group_size
     if group_size > 0 and -(-inp // group_size) != groups:
         raise CorruptCheckpoint(f"holds {groups} groups, but {inp} input channels in groups of "

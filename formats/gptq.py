@@ -108,7 +108,8 @@ def normalise_packing_format(qc: Mapping) -> str | None:
     return aliases.get(fmt, fmt)
 
 
-AUTO_ROUND_READABLE = ("auto_round:auto_gptq", "auto_round:gptqmodel", "auto_round")
+AUTO_ROUND_GPTQ, AUTO_ROUND_PLAIN = "auto_round:auto_gptq", "auto_round"      # the GPTQ layouts auto-round writes
+AUTO_ROUND_READABLE = (AUTO_ROUND_GPTQ, "auto_round:gptqmodel", AUTO_ROUND_PLAIN)
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 
 
@@ -316,15 +317,21 @@ def block_prefix(name: str) -> str | None:
     return match.group(1) if match else None
 
 
-def config_writer(target: str):
+def config_writer(target: str, packing_format: str | None = None):
     """The quantization_config writer of a GPTQ-family target: GPTQModel's dialect (checkpoint_format,
-    dynamic overrides) for gptq / gptq-v2, auto-round's (packing_format auto_round:auto_gptq,
-    extra_config) for auto-round. The most common (bits, group, sym) is the default; other modules
-    and the unquantized Linears of the decoder stacks are listed by exact name."""
+    dynamic overrides) for gptq / gptq-v2, auto-round's (packing_format, extra_config) when a
+    packing_format is given: auto_round:auto_gptq (the auto-round target), and auto_round:auto_awq and
+    plain auto_round (the packings auto-round writes for asymmetric modules, registry.auto_round_packing).
+    The most common (bits, group, sym) is the default, taken among the asymmetric modules in an
+    auto-round file that has any (auto-round writes its asymmetric packings for an asymmetric scheme,
+    sym: false on top); other modules and the unquantized Linears of the decoder stacks are listed by
+    exact name."""
     def config(ctx) -> dict:
         specs = ctx.specs
         quantized = sorted(specs, key=natural_key)
-        common_spec = Counter((s.bits, s.group_size, s.symmetric) for s in specs.values()).most_common(1)[0][0]
+        pool = [s for s in specs.values() if not s.symmetric] if packing_format else []
+        common_spec = Counter((s.bits, s.group_size, s.symmetric)
+                              for s in (pool or specs.values())).most_common(1)[0][0]
         bits, group, sym = common_spec
         blocks = sorted({b for n in quantized if (b := block_prefix(n))}, key=natural_key)
         in_block = lambda n: any(n.startswith(b + ".") for b in blocks)  # noqa: E731
@@ -334,11 +341,11 @@ def config_writer(target: str):
         overrides = {n: o for n, o in overrides.items() if o}
         skipped = [n for n in ctx.unquantized if in_block(n)]
         cfg = {"bits": bits, "group_size": group, "sym": sym, "desc_act": ctx.act_order}
-        if target == "auto-round":
+        if packing_format:
             extra = {n: {**{"bits": bits, "group_size": group, "sym": sym, "data_type": "int"}, **o}
                      if not in_block(n) else o for n, o in overrides.items()}
             extra.update({n: {"bits": 16} for n in skipped})
-            cfg.update({"quant_method": "auto-round", "packing_format": "auto_round:auto_gptq",
+            cfg.update({"quant_method": "auto-round", "packing_format": packing_format,
                         "data_type": "int", "block_name_to_quantize": ",".join(blocks)})
             if extra:
                 cfg["extra_config"] = dict(sorted(extra.items(), key=lambda kv: natural_key(kv[0])))

@@ -70,19 +70,27 @@ def check(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None)
                                 file=qweight.file, tensor=qweight.name)
 
 
-def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, dtype: str) -> QuantTensor:
+def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, dtype: str,
+         rows: tuple[int, int] | None = None) -> QuantTensor:
     """The module as a QuantTensor (codes [out, in], contiguous: GPTQ's [in, out] words are transposed
-    as words, before unpacking, the cheap way round)."""
+    as words, before unpacking, the cheap way round). rows: only output rows r0:r1 (multiples of 32,
+    or the last row), read as column windows of qweight, qzeros and scales."""
     check(m, tensors, qc)
     qweight = tensors[m.name + ".qweight"]
     bits, out, inp = m.bits, m.out_features, m.in_features
+    r0, r1 = rows or (0, out)
+    if (r0 % 32 or (r1 % 32 and r1 != out)) or not 0 <= r0 <= r1 <= out:
+        raise ValueError(f"rows {r0}:{r1} of {m.name} are not whole runs of 32 output channels")
     encoding, word_carry = zero_decoding(qc)
     settings = (per_module_settings(qc, m.name) if qc else None) or {}
     groups = m.details["groups"]
-    codes = unpack_int32_transposed(read_array(qweight), bits)                         # [out, in]
+    codes = unpack_int32_transposed(read_array(qweight, cols=(r0, r1)), bits)           # [rows, in]
     zeros_info, scales_info = tensors[m.name + ".qzeros"], tensors[m.name + ".scales"]
-    zeros = _decode_zeros(read_array(zeros_info), bits, encoding, word_carry)[:, :out]
-    scales = finite_scales(to_float32(read_array(scales_info), scales_info.dtype), scales_info)
+    z1 = zeros_info.shape[1] if r1 == out else r1 * bits // 32
+    zeros = _decode_zeros(read_array(zeros_info, cols=(r0 * bits // 32, z1)), bits, encoding,
+                          word_carry)[:, :r1 - r0]
+    scales = finite_scales(to_float32(read_array(scales_info, cols=(r0, r1)), scales_info.dtype), scales_info)
+    out = r1 - r0
     g_idx = None
     if m.name + ".g_idx" in tensors:
         info = tensors[m.name + ".g_idx"]

@@ -81,5 +81,7 @@ def model_dtype(comp: Component, det: Detection) -> str:
     return "float16"
 
 
-def read_module(comp: Component, det: Detection, m: QuantModule, dtype: str) -> QuantTensor:
-    return family(m.family).read(m, comp.tensors, det.qc, dtype)
+def read_module(comp: Component, det: Detection, m: QuantModule, dtype: str,
+                rows: tuple[int, int] | None = None) -> QuantTensor:
+    """The module (or its output rows r0:r1, see Family.read) as a QuantTensor."""
+    return family(m.family).read(m, comp.tensors, det.qc, dtype, rows)

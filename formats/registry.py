@@ -18,7 +18,7 @@ A lookup by a name that is not registered lists the names that are.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 from .layout import QuantModule
@@ -37,9 +37,20 @@ class Family:
     reader: str = "read"             # codec function (m, tensors, qc, dtype) -> QuantTensor
     needs_config: bool = True        # its tensors alone do not say how to decode them (packed words)
     symmetric: Callable | None = None  # (m, qc) -> whether its zero points are 2^(b-1), from headers/config
+    rows: int | str = 32             # a row window's ends: multiples of this (or a codec function of m)
 
-    def read(self, m: QuantModule, tensors: Mapping, qc: Mapping | None, dtype: str):
-        return getattr(importlib.import_module(f"{__package__}.{self.codec}"), self.reader)(m, tensors, qc, dtype)
+    def read(self, m: QuantModule, tensors: Mapping, qc: Mapping | None, dtype: str,
+             rows: tuple[int, int] | None = None):
+        """The module, or only its output rows r0:r1 (ends on multiples of row_step(m), or the last
+        row), as a QuantTensor: the reader reads only those rows' bytes, so a caller holding one window
+        at a time holds a bounded part of any layer."""
+        fn = getattr(importlib.import_module(f"{__package__}.{self.codec}"), self.reader)
+        return fn(m, tensors, qc, dtype) if rows is None else fn(m, tensors, qc, dtype, rows)
+
+    def row_step(self, m: QuantModule) -> int:
+        if isinstance(self.rows, int):
+            return self.rows
+        return getattr(importlib.import_module(f"{__package__}.{self.codec}"), self.rows)(m)
 
 
 @dataclass(frozen=True)
@@ -100,11 +111,11 @@ def _register_builtin() -> None:
     register(Family("bnb8", "bitsandbytes LLM.int8", frozenset({"bnb8", "bitsandbytes"}), always,
                     lambda tensors, qc: bnb.find_int8_modules(tensors),
                     lazy_check("bnb_codec", "check_int8_module"), "bnb_codec", bnb.int8_settings,
-                    "read_int8_module", needs_config=False))
+                    "read_int8_module", needs_config=False, rows=1))
     register(Family("bnb4", "bitsandbytes 4-bit", frozenset({"bnb4", "bitsandbytes"}), always,
                     lambda tensors, qc: bnb.find_4bit_modules(tensors),
                     lazy_check("bnb_codec", "check_4bit_module"), "bnb_codec", bnb.four_bit_settings,
-                    "read_4bit_module", needs_config=False))
+                    "read_4bit_module", needs_config=False, rows="four_bit_row_step"))
     register(Family("gptq", "GPTQ", frozenset({"gptq", "auto-round"}),
                     lambda method, qc: method in (None, "gptq") or (method == "auto-round"
                                                                     and not awq_packed(qc)),
@@ -130,12 +141,13 @@ _register_builtin()
 
 
 # ---------------------------------------------------------------------------------------------
-# Writers of integer-coded formats (`qconv convert --to NAME`)
+# Writers of quantized formats (`qconv convert --to NAME`)
 
 @dataclass(frozen=True)
 class Caps:
     """What a target stores without touching codes: the one description spec negotiation
-    (convert._target_spec) fits every source module to."""
+    (convert._target_spec) fits every source module to. A target with its own fit (Target.fit) fits
+    modules itself; its caps still describe it, and act_order and one_group_size are read for it too."""
     bits: frozenset                  # code widths it stores
     asym: bool = True                # zero points other than 2^(b-1)
     per_row: bool = True             # one group per output row (group size -1)
@@ -155,21 +167,93 @@ class WriteContext:
     unquantized: tuple               # float Linear modules left unquantized
     act_order: bool                  # some module keeps its act-order g_idx
     source_qc: Mapping | None
+    settings: Mapping = field(default_factory=dict)  # module -> its write settings (Target.plan; absent: {})
+    requantized: frozenset = frozenset()            # modules whose codes were not kept
+
+
+@dataclass(frozen=True)
+class ModuleContext:
+    """What a target's per-module planning (Target.plan) sees of one module, before any tensor of the
+    component is written."""
+    module: QuantModule              # the source module, from headers and config
+    spec: object                     # the QuantSpec it is written with (Target.fit, or the caps negotiation)
+    reason: str | None               # why it is requantized (None: its codes are kept)
+    request: object                  # the conversion's options (convert.Options: to, bits, group_size, sym,
+                                     # scale_dtype, blocksize, double_quant, quant_storage)
+    dtype: str                       # the weight's original dtype ("float16", ...), as its QuantTensor has it
+    encode: Callable                 # (settings) -> {leaf: (dtype, array)}: the module read and encoded with
+                                     # these settings, statistics discarded (for a setting only the data decides)
 
 
 @dataclass(frozen=True)
 class Target:
+    """A writer. convert plans every module (fit or the caps negotiation: spec and reason; then plan: its
+    settings; then leaves: the tensors and their header entries), writes the config, and only then
+    encodes each module's data: requantized from its exact weights (requantize, else convert's integer
+    requantizer) or kept and re-expressed (retarget, else scales / divisor in spec.scale_dtype), then
+    encode. The hooks below default to None, which is what the integer formats need; a format with its
+    own options, code books or header state that depends on the data (bitsandbytes) sets them. Hooks
+    that need numpy are given lazily (_lazy), so importing the registry stays stdlib only."""
     name: str                        # the --to name
     family: str                      # the family that reads what it writes
     caps: Caps
-    leaves: Callable                 # (spec, (out, in), g_idx: bool) -> {leaf: (dtype, shape)}; stdlib
+    leaves: Callable                 # (spec, (out, in), g_idx: bool, **settings) -> {leaf: (dtype, shape)}; stdlib
+                                     # (settings: the module's from plan; their defaults: a plain module)
     config: Callable                 # (WriteContext) -> quantization_config; stdlib
     codec: str                       # module holding encode_for(name, qt, spec, g_idx) -> {leaf: (dtype, array)}
     g_idx: str = "never"             # "always" (GPTQ's writers), "act-order" (only a kept act-order), "never"
     activations: str | None = None   # what its kernels do to activations at run time (convert reports the cost)
+    zero_encoding: str | None = None  # what its qzeros hold: "v1" (z - 1), "v2" (z), None (its codec's own)
+    packing: Callable | None = None  # ({module: (QuantSpec, (out, in))}) -> name of the target that writes them
+    internal: bool = False           # written only when another target's packing picks it; not a --to choice
+    # (module, source spec, request, negotiate) -> (QuantSpec, reason | None): the spec a module is
+    # written with and why its codes cannot be kept, for a target whose settings are not bits / groups /
+    # zero points (code books, its own options such as --blocksize or --quant-storage); request: as
+    # ModuleContext.request; negotiate(caps=None) -> (bits, group, sym, reason) is convert's negotiation
+    # of the request against the source (fitted to caps where given; None: unfitted). Refusals raise
+    # UsageError / UnsupportedFormat. None: convert fits the module to caps.
+    fit: Callable | None = None
+    # (ModuleContext) -> settings: what the spec does not say about how one module is written, settled
+    # before any tensor is (the header comes first): a dict of keyword arguments of leaves, also given
+    # to requantize, retarget and config (WriteContext.settings); it may encode the module once for a
+    # value only the data decides (bitsandbytes: the nested double-quant offset, which sizes the
+    # quant_state JSON). Refusals raise UnsupportedFormat. None: no settings ({}).
+    plan: Callable | None = None
+    # (source, w, spec, settings) -> (qt, rtn): a module whose codes cannot be kept, quantized to spec from
+    # its exact weights w (source.dequantize()), with plain round-to-nearest beside it for the report,
+    # both QuantTensors in the target's terms. None: convert's integer requantizer (requantize.py).
+    requantize: Callable | None = None
+    # (qt, spec, settings) -> (qt, exact | None): a module in the target's terms: its codes kept, scales
+    # re-expressed where the target stores them differently, target-held state kept or dropped; exact:
+    # the values its stored scales round, for the report (None: nothing rounded). convert's integer
+    # requantizer's result goes through it too (rounding not reported). None: scales / divisor stored
+    # in spec.scale_dtype.
+    retarget: Callable | None = None
+
+    def module_leaves(self, spec, shape: tuple[int, int], g_idx: bool, settings: Mapping | None = None) -> dict:
+        """leaves for one module, given the settings plan gave it (targets without plan take none)."""
+        return self.leaves(spec, shape, g_idx, **(settings or {}))
 
     def encode(self, qt, spec, g_idx: bool) -> dict:
+        """The module's tensors, zero points stored in this target's own convention."""
+        spec = replace(spec, zero_encoding=self.zero_encoding)
         return importlib.import_module(f"{__package__}.{self.codec}").encode_for(self.name, qt, spec, g_idx)
+
+    def written_by(self, modules: Mapping) -> "Target":
+        """The target that writes these negotiated modules ({name: (spec, (out, in))}), decided before any
+        data is read: this one, or the one its packing hook picks from the specs (auto-round: the
+        packing_format auto-round's own export would pick for them)."""
+        name = self.packing(modules) if self.packing else None
+        return self if name is None or name == self.name else target(name)
+
+
+def _lazy(module: str, fn: str, *bound):
+    """A hook that imports module (relative to qconv.formats) on its first call and calls fn with the
+    bound arguments first: numpy-side hooks without numpy at registration."""
+    def hook(*args, **kwargs):
+        return getattr(importlib.import_module(f"{__package__}.{module}"), fn)(*bound, *args, **kwargs)
+    hook.__name__ = hook.__qualname__ = f"{module}.{fn}"
+    return hook
 
 
 _TARGETS: dict[str, Target] = {}
@@ -188,18 +272,62 @@ def targets() -> tuple[Target, ...]:
     return tuple(_TARGETS.values())
 
 
+AUTO_ROUND_AWQ_TARGET = "auto-round:auto_awq"
+AUTO_ROUND_PLAIN_TARGET = "auto-round:plain"
+
+
+def auto_round_packing(modules: Mapping) -> str | None:
+    """The packing `--to auto-round` writes, as auto-round's own ``format="auto_round"`` export picks it
+    (auto_round/export/formats/backends/autoround.py, ``AutoRoundFormat.__init__``):
+
+    * every module symmetric: ``auto_round:auto_gptq`` (None: the auto-round target itself);
+    * some module asymmetric, and every module 4-bit in whole groups that AWQ GEMM holds (in a multiple
+      of the group size, out of 8): ``auto_round:auto_awq`` (AWQ GEMM tensors, zero points as they are;
+      symmetric modules among them keep their zero points 2^(b-1) and an extra_config ``sym: true``);
+    * some module asymmetric otherwise (another width, one group per row): plain ``auto_round`` (GPTQ
+      layout, zero points as they are, no g_idx), which auto-round writes for asymmetric schemes that
+      are not all 4-bit and qconv's GPTQ reader reads back (FORMATS.md §4.2).
+
+    auto-round's auto_gptq stores z - 1 clamped at 0 and its loaders read asymmetric auto_gptq as
+    symmetric, so an asymmetric module is never written there."""
+    if all(spec.symmetric for spec, _ in modules.values()):
+        return None
+    awq_target = target(AUTO_ROUND_AWQ_TARGET)
+
+    def awq_holds(spec, shape) -> bool:
+        if spec.bits not in awq_target.caps.bits:
+            return False
+        try:
+            awq_target.leaves(spec, shape, False)
+        except ValueError:
+            return False
+        return True
+
+    if all(awq_holds(spec, shape) for spec, shape in modules.values()):
+        return AUTO_ROUND_AWQ_TARGET
+    return AUTO_ROUND_PLAIN_TARGET
+
+
 def _register_targets() -> None:
-    from . import awq, compressed_tensors, gptq
+    from . import awq, bnb, compressed_tensors, gptq
 
     int_2_8 = frozenset(range(2, 9))
-    for name in ("gptq", "gptq-v2", "auto-round"):
-        auto_round = name == "auto-round"
-        caps = Caps(int_2_8, asym=not auto_round, act_order=not auto_round, asym_refusal=(
-            "auto-round stores asymmetric integers as auto_round:auto_awq, a layout qconv does not write "
-            "yet (its auto_gptq packing is loaded as symmetric); use --sym, --to gptq-v2 or --to awq")
-            if auto_round else None)
-        register_target(Target(name, "gptq", caps, gptq.leaves, gptq.config_writer(name), "gptq_codec",
-                               g_idx="never" if auto_round else "always"))
+    for name in ("gptq", "gptq-v2"):
+        register_target(Target(name, "gptq", Caps(int_2_8, act_order=True), gptq.leaves, gptq.config_writer(name),
+                               "gptq_codec", g_idx="always", zero_encoding="v2" if name == "gptq-v2" else "v1"))
+    # auto-round: one --to name, three packings, picked from the negotiated specs as auto-round's own
+    # export picks them (auto_round_packing). auto_gptq (z - 1) for symmetric modules, as before;
+    # the asymmetric packings store zero points as they are.
+    register_target(Target("auto-round", "gptq", Caps(int_2_8), gptq.leaves,
+                           gptq.config_writer("auto-round", gptq.AUTO_ROUND_GPTQ), "gptq_codec",
+                           zero_encoding="v1", packing=auto_round_packing))
+    register_target(Target(AUTO_ROUND_AWQ_TARGET, "awq",
+                           Caps(frozenset({4}), per_row=False, scale_dtypes=frozenset({"F16"})), awq.writer_leaves,
+                           gptq.config_writer(AUTO_ROUND_AWQ_TARGET, awq.AUTO_ROUND_AWQ), "awq_codec",
+                           internal=True))
+    register_target(Target(AUTO_ROUND_PLAIN_TARGET, "gptq", Caps(int_2_8), gptq.leaves,
+                           gptq.config_writer(AUTO_ROUND_PLAIN_TARGET, gptq.AUTO_ROUND_PLAIN), "gptq_codec",
+                           zero_encoding="v2", internal=True))
     register_target(Target("compressed-tensors", "ct", Caps(int_2_8, divisor_scale="F32"),
                            compressed_tensors.writer_leaves(compressed_tensors.PACKED),
                            compressed_tensors.writer_config(compressed_tensors.PACKED), "ct_codec"))
@@ -211,6 +339,19 @@ def _register_targets() -> None:
     register_target(Target("awq", "awq", Caps(frozenset({4}), per_row=False, scale_dtypes=frozenset({"F16", "BF16"}),
                                               fallback_bits=4, one_group_size=True),
                            awq.writer_leaves, awq.writer_config, "awq_codec"))
+    # bitsandbytes: LLM.int8 (codes kept from 8-bit symmetric per-row sources, SCB = s * 127) and 4-bit
+    # nf4 / fp4 (its own options, code books, double quant planned per module); bnb.py and bnb_codec.py.
+    register_target(Target("bnb8", "bnb8", Caps(frozenset({8}), asym=False, grouped=False,
+                                                scale_dtypes=frozenset({"F32"}), divisor_scale="F32"),
+                           bnb.int8_leaves, bnb.config_writer(False), "bnb_codec",
+                           fit=_lazy("bnb_codec", "fit_int8"), retarget=_lazy("bnb_codec", "retarget_int8")))
+    for name, quant_type in bnb.FOUR_BIT_TARGETS.items():
+        register_target(Target(name, "bnb4", Caps(frozenset({4}), asym=False, per_row=False, grouped=False,
+                                                  scale_dtypes=frozenset({"F32"}), divisor_scale="F32"),
+                               bnb.four_bit_leaves, bnb.config_writer(True), "bnb_codec",
+                               fit=_lazy("bnb_codec", "fit_4bit", quant_type), plan=_lazy("bnb_codec", "plan_4bit"),
+                               requantize=_lazy("bnb_codec", "requantize_4bit"),
+                               retarget=_lazy("bnb_codec", "retarget_4bit")))
 
 
 _register_targets()

@@ -4,6 +4,8 @@ bits and is widened / rounded here exactly as torch does (round to nearest even,
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ..errors import CorruptCheckpoint
@@ -16,19 +18,28 @@ NUMPY = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16
 FLOAT_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 
 
-def read_array(info: TensorInfo, rows: tuple[int, int] | None = None) -> np.ndarray:
-    """The tensor's stored values (or rows r0:r1 of its first dimension), freshly read, never mapped."""
+def read_array(info: TensorInfo, rows: tuple[int, int] | None = None,
+               cols: tuple[int, int] | None = None) -> np.ndarray:
+    """The tensor's stored values, freshly read, never mapped: all of it, or rows r0:r1 of its first
+    dimension (one read), and/or columns c0:c1 of a 2-D tensor (one positioned read a row, so a
+    window of a column-major layout such as GPTQ's [in, out] words costs only its own bytes)."""
     if info.dtype not in NUMPY:
         raise CorruptCheckpoint(f"dtype {info.dtype} cannot be read by qconv", file=info.file,
                                 tensor=info.name)
     dtype = np.dtype(NUMPY[info.dtype])
-    shape = info.shape
+    shape = tuple(info.shape)
+    if cols is not None and (len(shape) != 2 or cols == (0, shape[1])):
+        if len(shape) != 2:
+            raise ValueError(f"a column window of a {len(shape)}-D tensor")
+        cols = None
     offset, nbytes = info.offset, info.nbytes
     if rows is not None:
         row_bytes = (info.nbytes // shape[0]) if shape and shape[0] else 0
         offset += rows[0] * row_bytes
         nbytes = (rows[1] - rows[0]) * row_bytes
         shape = (rows[1] - rows[0],) + tuple(shape[1:])
+    if cols is not None:
+        return _read_columns(info, dtype, offset, shape, cols)
     out = np.empty(nbytes // dtype.itemsize, dtype=dtype)
     try:
         with open(info.file, "rb", buffering=0) as f:
@@ -41,6 +52,29 @@ def read_array(info: TensorInfo, rows: tuple[int, int] | None = None) -> np.ndar
         raise CorruptCheckpoint("file ended while reading the tensor: truncated", file=info.file,
                                 tensor=info.name)
     return out.reshape(shape)
+
+
+def _read_columns(info: TensorInfo, dtype: np.dtype, offset: int, shape: tuple, cols: tuple[int, int]):
+    n_rows, width = shape
+    c0, c1 = cols
+    if not 0 <= c0 <= c1 <= width:
+        raise ValueError(f"columns {c0}:{c1} of a tensor {width} wide")
+    out = np.empty((n_rows, c1 - c0), dtype=dtype)
+    row_bytes, want = width * dtype.itemsize, (c1 - c0) * dtype.itemsize
+    start = offset + c0 * dtype.itemsize
+    try:
+        fd = os.open(info.file, os.O_RDONLY)
+        try:
+            for r in range(n_rows):
+                if want and os.preadv(fd, [out[r]], start + r * row_bytes) != want:
+                    raise CorruptCheckpoint("file ended while reading the tensor: truncated",
+                                            file=info.file, tensor=info.name)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise CorruptCheckpoint(f"cannot read: {exc.strerror or exc}", file=info.file,
+                                tensor=info.name) from None
+    return out
 
 
 def finite_scales(values: np.ndarray, info: TensorInfo) -> np.ndarray:

@@ -42,6 +42,16 @@ def inspect_json(path):
     return json.loads(proc.stdout)
 
 
+def load_tensors(folder: Path) -> dict:
+    """Every tensor of a folder's safetensors shards, as torch tensors (safetensors' own loader)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for shard in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(shard))
+    return out
+
+
 def copy_checkpoint(name, dst: Path) -> Path:
     target = dst / name
     shutil.copytree(CHECKPOINTS / name, target, ignore=shutil.ignore_patterns("oracle"))

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import CHECKPOINTS, QCONV, copy_checkpoint
+from conftest import CHECKPOINTS, QCONV, copy_checkpoint, load_tensors
 
 DOCUMENTED = {0, 1, 2, 3, 4, 5, 6, 130}
 TARGETS = ["gptq", "gptq-v2", "auto-round", "bnb8", "bnb4-nf4", "bnb4-fp4", "float16", "bfloat16", "float32"]
@@ -222,12 +222,6 @@ def _component_dirs(root: Path) -> dict[str, Path]:
     return {"": root}
 
 
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(shard))
-    return out
-
 
 def _is_quantized_folder(folder: Path) -> bool:
     config = folder / "config.json"
@@ -246,7 +240,7 @@ def expected_weights(fixture: str) -> dict[str, dict[str, np.ndarray]]:
         oracle = {k: _as_f32(v) for k, v in load_file(oracle_dir / "dequant.safetensors").items()} \
             if oracle_dir.is_dir() else {}
         modules = {k[: -len(".weight")] for k in oracle}
-        plain = {k: _as_f32(v) for k, v in _tensors(folder).items()
+        plain = {k: _as_f32(v) for k, v in load_tensors(folder).items()
                  if v.is_floating_point() and (k.endswith(".bias") or
                                                not any(k.startswith(m + ".") for m in modules))}
         out[comp] = {**plain, **oracle}
@@ -265,7 +259,7 @@ def output_weights(dst: Path, checks: Path) -> dict[str, dict[str, np.ndarray]]:
             r = run_inprocess("dequantize", "--dtype", "float32", folder, plain)
             assert r.code == 0, f"qconv cannot read back its own output {folder}\n{r}"
             folder = plain
-        out[comp] = {k: _as_f32(v) for k, v in _tensors(folder).items()}
+        out[comp] = {k: _as_f32(v) for k, v in load_tensors(folder).items()}
     return out
 
 

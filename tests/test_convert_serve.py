@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CHECKPOINTS, run_qconv
+from conftest import CHECKPOINTS, run_qconv, load_tensors
 
 
 def _convert(src, dst, *args):
@@ -17,12 +17,6 @@ def _convert(src, dst, *args):
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
-
-def _tensors(folder):
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 def _same_bytes(a, b):
@@ -57,7 +51,7 @@ def test_round_trips_keep_every_byte(tmp_path, name, chain):
         (comp,) = report["components"]
         assert comp["requantized"] == 0 and comp["codes_kept"] == comp["modules"] > 0, comp
         src = dst
-    original, back = _tensors(CHECKPOINTS / name), _tensors(src)
+    original, back = load_tensors(CHECKPOINTS / name), load_tensors(src)
     # GPTQ sources: g_idx is written by GPTQ targets, and AWQ/CT carry none; unquantized tensors keep
     # their values (auto-round-made files keep them in bfloat16, others as stored).
     assert sorted(back) == sorted(original)
@@ -73,7 +67,7 @@ def test_bnb_int8_becomes_compressed_tensors_codes_kept(tmp_path, to):
     (comp,) = _convert(CHECKPOINTS / "llama-bnb8", out, "--to", to)["components"]
     assert comp["codes_kept"] == comp["modules"] == 14 and comp["requantized"] == 0
     assert 0 < comp["max_scale_rel_error"] <= 2.0**-24
-    src, ours = _tensors(CHECKPOINTS / "llama-bnb8"), _tensors(out)
+    src, ours = load_tensors(CHECKPOINTS / "llama-bnb8"), load_tensors(out)
     q = "model.layers.0.self_attn.q_proj"
     if to.endswith("w8a8"):
         assert torch.equal(ours[f"{q}.weight"], src[f"{q}.weight"])
