@@ -363,6 +363,18 @@ def _parse_size(text: str) -> int:
     raise click.BadParameter(f"{text!r} is not a size like 5GB or 500MB", param_hint="--max-shard-size")
 
 
+def _interrupted(exc: BaseException) -> bool:
+    """Whether an interrupt (Ctrl-C, SIGTERM, SIGHUP) is behind the exception: a signal can arrive inside
+    code that wraps what it raises (Python's class creation does: "Error calling __set_name__")."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         rv = cli.main(args=argv, prog_name="qconv", standalone_mode=False)
@@ -381,6 +393,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.close()
         sys.exit(EXIT_OK)
     except Exception as exc:
+        if _interrupted(exc):                     # a signal surfacing through code that wrapped it
+            click.echo("qconv: interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
         if os.environ.get("QCONV_DEBUG"):
             raise
         click.echo(f"qconv: internal error: {type(exc).__name__}: {exc} (a bug in qconv; rerun "
