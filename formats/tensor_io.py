@@ -28,10 +28,10 @@ def read_array(info: TensorInfo, rows: tuple[int, int] | None = None,
                                 tensor=info.name)
     dtype = np.dtype(NUMPY[info.dtype])
     shape = tuple(info.shape)
-    if cols is not None and (len(shape) != 2 or cols == (0, shape[1])):
-        if len(shape) != 2:
-            raise ValueError(f"a column window of a {len(shape)}-D tensor")
-        cols = None
+    if cols is not None and len(shape) != 2:
+        raise ValueError(f"a column window of a {len(shape)}-D tensor")
+    if cols is not None and tuple(cols) == (0, shape[1]):
+        cols = None                         # every column: one plain read
     offset, nbytes = info.offset, info.nbytes
     if rows is not None:
         row_bytes = (info.nbytes // shape[0]) if shape and shape[0] else 0
