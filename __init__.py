@@ -1,3 +1,27 @@
-"""qconv: inspect, convert, dequantize and validate quantized LLM/VLM checkpoints."""
+"""qconv: inspect, convert, dequantize and validate quantized LLM/VLM checkpoints.
+
+The Python API (api.py, docs/python-api.md) has the command line's verbs:
+
+    import qconv
+    qconv.inspect("model/")
+    qconv.convert("bnb8/", "gptq/", to="gptq", bits=8, group_size=-1, validate=True)
+    qconv.dequantize("gptq/", "float/")
+    qconv.validate("bnb8/", "gptq/")
+
+Importing qconv loads neither torch nor numpy.
+"""
 
 __version__ = "0.1.0"
+
+from . import convert  # noqa: E402  the package, callable as the verb (convert/__init__.py)
+from .api import (ConvertOptions, ConvertResult, DequantizeOptions, DequantizeResult, InspectOptions,  # noqa: E402
+                  InspectResult, ProgressEvent, ValidateOptions, ValidateResult, bnb8_to_gptq, dequantize,
+                  inspect, targets, to_json, validate)
+from .errors import (CheckFailed, CorruptCheckpoint, InputNotFound, OutputError, QconvError,  # noqa: E402
+                     UnsupportedFormat, UsageError, ValidationFailed)
+
+__all__ = ["inspect", "convert", "bnb8_to_gptq", "dequantize", "validate", "targets", "to_json",
+           "InspectOptions", "ConvertOptions", "DequantizeOptions", "ValidateOptions",
+           "InspectResult", "ConvertResult", "DequantizeResult", "ValidateResult", "ProgressEvent",
+           "QconvError", "UsageError", "InputNotFound", "CorruptCheckpoint", "UnsupportedFormat", "OutputError",
+           "CheckFailed", "ValidationFailed"]

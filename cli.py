@@ -1,21 +1,21 @@
-"""The `qconv` command line. Every command is deterministic, never prompts, and maps each failure to
-one line on stderr and a documented exit code (errors.py). Heavy imports happen inside commands, so
-`qconv inspect` never loads torch."""
+"""The `qconv` command line: a thin layer over the Python API (api.py), which parses options into the
+same frozen options models, prints tables or the results' --json documents, and draws progress on a
+terminal. Every command is deterministic, never prompts, and maps each failure to one line on stderr and
+a documented exit code (errors.py). Heavy imports happen inside the verbs, so `qconv inspect` never
+loads torch."""
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import click
 
-from .formats.registry import targets as registered_targets
-
-from . import __version__
-from .errors import EXIT_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, QconvError
+from . import __version__, api
+from .errors import EXIT_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, CheckFailed, QconvError
+from .progress import ProgressEvent
 
 EXIT_CODES_HELP = """\b
 Exit codes:
@@ -35,7 +35,7 @@ Exit codes:
 @click.version_option(__version__, prog_name="qconv")
 def cli() -> None:
     """Inspect, convert, dequantize and validate quantized LLM/VLM checkpoints
-    (bitsandbytes int8/4-bit, GPTQ, auto-round)."""
+    (bitsandbytes int8/4-bit, GPTQ, auto-round, compressed-tensors, AWQ)."""
 
 
 @cli.command("inspect", epilog=EXIT_CODES_HELP)
@@ -52,31 +52,38 @@ def inspect_cmd(path: Path, as_json: bool, all_modules: bool, strict: bool) -> i
     are each reported under their folder name. Tensor data is never read (but for bitsandbytes'
     few-byte quant_state and weight_format tensors) and torch is never imported.
     """
-    from .inspection import inspect_path, render_text
+    from .inspection import render_text
 
-    result = inspect_path(path)
-    if as_json:
-        click.echo(_json(result))
-    else:
-        click.echo(render_text(result, all_modules=all_modules))
-    has_warnings = any(c["warnings"] for c in result["components"])
-    return EXIT_FAILED if strict and has_warnings else EXIT_OK
-
-
-def _json(result: dict) -> str:
-    """The --json document: strict JSON (RFC 8259 has no NaN or Infinity), so a non-finite number, which
-    only a failed check can produce, is written as null."""
-    return json.dumps(_finite(result), indent=2, allow_nan=False)
+    try:
+        result, code = api.inspect(path, strict=strict), EXIT_OK
+    except CheckFailed as failed:            # --strict: the report is printed, then exit 1
+        result, code = failed.result, EXIT_FAILED
+    click.echo(result.to_json() if as_json else render_text(result.data, all_modules=all_modules))
+    return code
 
 
-def _finite(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
+class _TerminalProgress:
+    """Progress events drawn as one rewritten line on stderr, only when stderr is a terminal."""
+
+    def __init__(self):
+        self.started: dict[str, float] = {}
+
+    def __call__(self, e: ProgressEvent) -> None:
+        t0 = self.started.setdefault(e.task, time.monotonic())
+        pct = 100 * e.done / e.total
+        if e.unit == "bytes":
+            rate = e.done / max(time.monotonic() - t0, 1e-6) / 1e9
+            text = f"{e.done / 1e9:.2f}/{e.total / 1e9:.2f} GB  {rate:.2f} GB/s "
+        else:
+            text = f"{e.done}/{e.total} {e.unit} "
+        sys.stderr.write(f"\r{e.task}: {pct:5.1f}%  {text}")
+        if e.done >= e.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _progress():
+    return _TerminalProgress() if sys.stderr.isatty() else None
 
 
 def _echo_warnings(result: dict) -> None:
@@ -100,7 +107,7 @@ def _summary_table(result: dict) -> str:
 @cli.command("dequantize", epilog=EXIT_CODES_HELP)
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--dtype", type=click.Choice(["auto", "float16", "bfloat16", "float32"]), default="auto",
+@click.option("--dtype", type=click.Choice(api.DEQUANTIZE_DTYPES), default="auto",
               show_default=True, help="Output dtype; auto = the model's own dtype (config.json).")
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty.")
 @click.option("--max-shard-size", default="5GB", show_default=True,
@@ -108,18 +115,16 @@ def _summary_table(result: dict) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def dequantize_cmd(src: Path, dst: Path, dtype: str, overwrite: bool, max_shard_size: str,
                    as_json: bool) -> int:
-    """Write SRC (bitsandbytes int8/4-bit, GPTQ or auto-round) to DST as a standard unquantized
-    folder: sharded safetensors with an index, config.json without quantization_config, and every
-    other file copied. Pipelines: each quantized component is dequantized, the rest copied.
+    """Write SRC (any format qconv reads: bitsandbytes, GPTQ, auto-round, compressed-tensors, AWQ) to
+    DST as a standard unquantized folder: sharded safetensors with an index, config.json without
+    quantization_config, and every other file copied. Pipelines: each quantized component is dequantized, the rest copied.
 
     Output is written to a temporary folder beside DST and renamed at the end; SRC is never written.
     """
-    from .convert.dequantize import dequantize
-
-    result = dequantize(src, dst, dtype=None if dtype == "auto" else dtype, overwrite=overwrite,
-                        max_shard_size=_parse_size(max_shard_size))
-    _echo_warnings(result)
-    click.echo(_json(result) if as_json else _summary_table(result))
+    result = api.dequantize(src, dst, dtype=dtype, overwrite=overwrite, max_shard_size=max_shard_size,
+                            progress=_progress())
+    _echo_warnings(result.data)
+    click.echo(result.to_json() if as_json else _summary_table(result.data))
     return EXIT_OK
 
 
@@ -159,23 +164,18 @@ def _convert_table(result: dict) -> str:
     return "\n".join(lines) + f"\nwrote {result['destination']} in {result['seconds']:.1f} s"
 
 
-def _run_convert(src: Path, dst: Path, opts, overwrite: bool, max_shard_size: str, as_json: bool,
-                 validate: bool) -> int:
-    from .convert.convert import convert
-
-    result = convert(src, dst, opts, overwrite=overwrite, max_shard_size=_parse_size(max_shard_size),
-                     validate=validate)
-    _echo_warnings(result)
-    click.echo(_json(result) if as_json else _convert_table(result))
+def _show_convert(result: api.ConvertResult, as_json: bool) -> int:
+    _echo_warnings(result.data)
+    click.echo(result.to_json() if as_json else _convert_table(result.data))
     return EXIT_OK
 
 
-_SCALE_DTYPE = click.option("--scale-dtype", type=click.Choice(["float16", "bfloat16", "float32"]),
+_SCALE_DTYPE = click.option("--scale-dtype", type=click.Choice(api.SCALE_DTYPES),
                             default=None, help="Stored dtype of the scales (default: the source's; from "
                                                "bitsandbytes int8: float16 for GPTQ and auto-round, float32 for "
                                                "compressed-tensors; AWQ stores float16 or bfloat16).")
 _COMMON = [click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty."),
-           click.option("--max-shard-size", default="5GB", show_default=True,
+           click.option("--max-shard-size", default=api.DEFAULT_MAX_SHARD, show_default=True,
                         help="Largest output shard, e.g. 5GB, 500MB."),
            click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON."),
            click.option("--validate", is_flag=True, help="Check every layer of the result against the "
@@ -193,21 +193,20 @@ def _common(fn):
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--to", "to", required=True,
-              type=click.Choice([t.name for t in registered_targets() if not t.internal]
-                                + ["float16", "bfloat16", "float32"]),
+              type=click.Choice(api.targets()),
               help="Target format (compressed-tensors: pack-quantized W{bits}A16; compressed-tensors-w8a8: "
                    "int8 weights per channel with dynamic per-token int8 activations; awq: AWQ GEMM 4-bit).")
 @click.option("--bits", type=click.IntRange(2, 8), default=None, help="Target bits (default: the source's).")
-@click.option("--group-size", type=int, default=None, callback=lambda ctx, param, v: _group_size(v),
+@click.option("--group-size", type=int, default=None,
               help="Target group size, -1 per output row (default: the source's); must divide the "
                    "in_features of every quantized module.")
 @click.option("--sym/--asym", default=None, help="Symmetric zero points (default: the source's).")
 @_SCALE_DTYPE
-@click.option("--blocksize", type=click.Choice(["32", "64", "128", "256", "512", "1024", "2048", "4096"]),
+@click.option("--blocksize", type=click.Choice([str(b) for b in api.BLOCKSIZES]),
               default=None, help="bnb4 targets: block size (default: the source's, else 64).")
 @click.option("--double-quant/--no-double-quant", default=None,
               help="bnb4 targets: keep the source's double quantization (default) or drop it.")
-@click.option("--quant-storage", type=click.Choice(["uint8", "bfloat16", "float16", "float32"]), default=None,
+@click.option("--quant-storage", type=click.Choice(api.QUANT_STORAGES), default=None,
               help="bnb4 targets: storage dtype of the packed weight (default: the source's, else uint8).")
 @_common
 def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, double_quant, quant_storage,
@@ -221,11 +220,11 @@ def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, dou
     round-to-nearest's. An unquantized SRC is quantized the same way, data-free: the Linears of its
     numbered decoder stacks (4-bit, group 128, symmetric by default). Float targets dequantize.
     """
-    from .convert.convert import Options
-
-    opts = Options(to, bits, group_size, sym, scale_dtype, int(blocksize) if blocksize else None,
-                   double_quant, quant_storage)
-    return _run_convert(src, dst, opts, overwrite, max_shard_size, as_json, validate)
+    result = api.convert(src, dst, to=to, bits=bits, group_size=group_size, sym=sym, scale_dtype=scale_dtype,
+                         blocksize=int(blocksize) if blocksize else None, double_quant=double_quant,
+                         quant_storage=quant_storage, validate=validate, overwrite=overwrite,
+                         max_shard_size=max_shard_size, progress=_progress())
+    return _show_convert(result, as_json)
 
 
 @cli.command("bnb8-to-gptq", epilog=EXIT_CODES_HELP)
@@ -238,10 +237,9 @@ def bnb8_to_gptq_cmd(src, dst, scale_dtype, overwrite, max_shard_size, as_json, 
     the layout vLLM's Marlin kernels run. Codes are kept exactly (q = CB + 128); scales are SCB / 127,
     stored as float16 unless --scale-dtype says otherwise (the only rounding, reported).
     """
-    from .convert.convert import Options
-
-    return _run_convert(src, dst, Options("gptq", 8, -1, True, scale_dtype, source="bnb8"), overwrite, max_shard_size,
-                        as_json, validate)
+    result = api.bnb8_to_gptq(src, dst, scale_dtype=scale_dtype, validate=validate, overwrite=overwrite,
+                              max_shard_size=max_shard_size, progress=_progress())
+    return _show_convert(result, as_json)
 
 
 VALIDATE_HELP = """\b
@@ -262,15 +260,15 @@ With --tol: relative Frobenius error of Y <= tol (use it for lossy pairs).
     "1    a layer failed (a NaN or inf included), or nothing was compared"))
 @click.argument("a", type=click.Path(path_type=Path))
 @click.argument("b", type=click.Path(path_type=Path))
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--device", type=click.Choice(api.DEVICES), default="auto", show_default=True)
 @click.option("--tol", type=float, default=None, help="Relative Frobenius tolerance per layer (lossy pairs).")
-@click.option("--samples", type=click.IntRange(1, 4096), default=32, show_default=True,
+@click.option("--samples", type=click.IntRange(*api.SAMPLES_RANGE), default=32, show_default=True,
               help="Rows of the activation batch.")
-@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True)
-@click.option("--rows", type=click.Choice(["all", "sampled"]), default="all", show_default=True,
+@click.option("--seed", type=click.IntRange(*api.SEED_RANGE), default=0, show_default=True)
+@click.option("--rows", type=click.Choice(api.ROWS), default="all", show_default=True,
               help="Output rows checked: every one, or (sampled, faster on a CPU) layers above 4096 rows "
                    "on 8 evenly spread windows of 512 rows.")
-@click.option("--kernels", type=click.Choice(["sampled", "all"]), default="sampled", show_default=True,
+@click.option("--kernels", type=click.Choice(api.KERNELS), default="sampled", show_default=True,
               help="Layers the producers' own kernels are cross-checked on: each distinct (format, kernel, "
                    "shape) once plus 16 layers drawn with --seed, or every layer.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"ok", "layers": [...]} as JSON.')
@@ -280,14 +278,10 @@ def validate_cmd(a, b, device, tol, samples, seed, rows, kernels, as_json) -> in
     installed: bitsandbytes int8 and 4-bit, auto-round's CPU kernel; by default on each distinct
     format, kernel and shape once plus a seeded sample of layers), on the GPU when there is one.
     Modules on one side only are reported and fail."""
-    from .validation import validate
-
-    result = validate(a, b, samples=samples, seed=seed, tol=tol, device=device, rows=rows, kernels=kernels)
-    if as_json:
-        click.echo(_json(result))
-    else:
-        click.echo(_validate_table(result))
-    return EXIT_OK if result["ok"] else EXIT_FAILED
+    result = api.validate(a, b, device=device, tol=tol, samples=samples, seed=seed, rows=rows, kernels=kernels,
+                          check=False, progress=_progress())
+    click.echo(result.to_json() if as_json else _validate_table(result.data))
+    return EXIT_OK if result.ok else EXIT_FAILED
 
 
 def _validate_table(result: dict) -> str:
@@ -341,28 +335,6 @@ def _validate_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _group_size(value: int | None) -> int | None:
-    if value is not None and value != -1 and value < 1:
-        raise click.BadParameter(f"{value} is not a group size: use -1 (one group per output row) or a "
-                                 f"positive number", param_hint="--group-size")
-    return value
-
-
-def _parse_size(text: str) -> int:
-    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "B": 1}
-    t = text.strip().upper()
-    for unit, factor in units.items():
-        if t.endswith(unit):
-            try:
-                value = float(t[: -len(unit)])
-            except ValueError:
-                break
-            if math.isfinite(value) and value * factor >= 1:     # not nan, inf, 0 or negative
-                return int(value * factor)
-            break
-    raise click.BadParameter(f"{text!r} is not a size like 5GB or 500MB", param_hint="--max-shard-size")
-
-
 def _interrupted(exc: BaseException) -> bool:
     """Whether an interrupt (Ctrl-C, SIGTERM, SIGHUP) is behind the exception: a signal can arrive inside
     code that wraps what it raises (Python's class creation does: "Error calling __set_name__")."""
@@ -380,8 +352,10 @@ def main(argv: list[str] | None = None) -> None:
         rv = cli.main(args=argv, prog_name="qconv", standalone_mode=False)
     except click.exceptions.Exit as exc:          # --help, --version
         sys.exit(exc.exit_code)
-    except click.ClickException as exc:           # usage errors: exit 2
-        exc.show()
+    except click.ClickException as exc:           # usage errors: exit 2, one line like every error
+        hint = f" (qconv {exc.ctx.info_name} --help)" if getattr(exc, "ctx", None) is not None \
+            and exc.ctx.info_name != "qconv" else " (qconv --help)"
+        click.echo(f"qconv: error: {exc.format_message()}{hint}".replace("\n", " "), err=True)
         sys.exit(exc.exit_code)
     except (click.Abort, KeyboardInterrupt):
         click.echo("qconv: interrupted", err=True)

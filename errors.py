@@ -72,7 +72,18 @@ class OutputError(QconvError):
     exit_code = EXIT_OUTPUT
 
 
-class ValidationFailed(QconvError):
-    """A converted result did not compute what its source computes."""
+class CheckFailed(QconvError):
+    """The verb ran and its check failed: ``inspect(strict=True)`` found warnings, ``validate`` found a
+    layer that differs. ``result`` holds the whole report (the API's typed result), where there is one."""
 
     exit_code = EXIT_FAILED
+
+    def __init__(self, problem: str, *, file: str | Path | None = None, tensor: str | None = None,
+                 result=None):
+        super().__init__(problem, file=file, tensor=tensor)
+        self.result = result
+
+
+class ValidationFailed(CheckFailed):
+    """A converted result did not compute what its source computes (``validate``, ``convert(validate=True)``:
+    then nothing was written)."""

@@ -61,6 +61,7 @@ import numpy as np
 
 from .probes import import_bitsandbytes, outlier_activations
 from .errors import UsageError
+from .progress import report as report_progress
 from .formats.checkpoint import Component, open_target
 from .formats.detect import Detection
 from .formats.ir import QuantTensor
@@ -768,6 +769,7 @@ def validate_components(ca: Component, cb: Component, *, samples: int = 32, seed
                 if bi == len(plan.blocks) - 1:
                     out, inp = a.shape(plan.name)
                     results[plan.name] = _report(plan, sums.pop(plan.name), inp, out)
+                    report_progress(f"validating {ca.name}", len(results), len(common), "layers")
             for name, side_key, job in jobs:
                 k = job.result()
                 layer = results[name]

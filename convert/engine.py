@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from ..formats.reader import require_decodable
 from ..formats.safetensors_header import FLOAT_DTYPES, TensorInfo, open_regular
 from ..formats.safetensors_writer import ShardWriter, index_json, plan_shards
 from ..formats.tensor_io import convert_float, read_array
+from ..progress import report
 from .staging import staged_output, test_hook
 
 SLAB_BYTES = 4 << 20            # bytes of one slab of rows of a plain tensor
@@ -78,22 +78,17 @@ def passthrough(info: TensorInfo, dtype: str | None = None) -> OutTensor:
 
 
 class Progress:
+    """Bytes written so far, as progress events to the caller's callback (progress.py); never printed here."""
+
     def __init__(self, total: int, label: str):
-        self.enabled = sys.stderr.isatty()
-        self.total, self.done, self.label, self.t0 = max(total, 1), 0, label, time.monotonic()
+        self.total, self.done, self.label = max(total, 1), 0, label
 
     def advance(self, n: int) -> None:
         self.done += n
-        if self.enabled:
-            pct = 100 * self.done / self.total
-            rate = self.done / max(time.monotonic() - self.t0, 1e-6) / 1e9
-            sys.stderr.write(f"\r{self.label}: {pct:5.1f}%  {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB"
-                             f"  {rate:.2f} GB/s ")
-            sys.stderr.flush()
+        report(self.label, self.done, self.total, "bytes")
 
     def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
+        pass
 
 
 def weights_base(comp: Component) -> str:

@@ -1,8 +1,10 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,9 +20,24 @@ QUANTIZED = sorted(p.name for p in CHECKPOINTS.iterdir() if (p / "oracle").is_di
 ALL_CHECKPOINTS = sorted(p.name for p in CHECKPOINTS.iterdir() if p.is_dir())
 
 
+TERMINATING = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP"))
+
+
+def child_signals(*ignored: signal.Signals):
+    """A preexec_fn that gives the child the signal dispositions a test means, whatever this suite
+    inherited: pytest started in the background by a non-interactive shell (CI, `cmd &` in a script) has
+    SIGINT ignored, `nohup` SIGHUP, and a child keeps what it inherits. Every one of SIGINT, SIGTERM and
+    SIGHUP is set to its default, those in ``ignored`` to SIG_IGN."""
+    def preexec():
+        for sig in TERMINATING:
+            signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+    return preexec
+
+
 def run_qconv(*args, check=None):
-    """Run the installed console script, as a user does."""
-    proc = subprocess.run([QCONV, *map(str, args)], capture_output=True, text=True, timeout=120)
+    """Run the installed console script, as a user does (at a terminal: default signal dispositions)."""
+    proc = subprocess.run([QCONV, *map(str, args)], capture_output=True, text=True, timeout=120,
+                          preexec_fn=child_signals())
     if check is not None:
         assert proc.returncode == check, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     return proc
@@ -67,6 +84,35 @@ def write_sparse_safetensors(path: Path, tensors, metadata=None) -> int:
     return len(header) + data_size
 
 
+# Consumers that live outside .venv (bin/setup test / vllm build them): a test marked
+# @pytest.mark.consumer(PATH, WHAT) needs PATH. Missing, it is skipped with the reason where a developer
+# runs pytest by hand, but under bin/test (and so CI), which exports QCONV_REQUIRE_CONSUMERS=1 after
+# building them, it FAILS: a consumer check that did not run is never reported as passing.
+REQUIRE_CONSUMERS = os.environ.get("QCONV_REQUIRE_CONSUMERS") == "1"
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("consumer"):
+        path, what = mark.args
+        if not Path(path).exists():
+            message = f"{what} is not installed ({path} is missing; bin/setup test / bin/setup vllm build it)"
+            if REQUIRE_CONSUMERS:
+                pytest.fail(message + ", but bin/test requires every consumer check to run", pytrace=False)
+            pytest.skip(message)
+
+
 @pytest.fixture
 def tmp_checkpoint(tmp_path):
     return lambda name: copy_checkpoint(name, tmp_path)
+
+
+class VllmCrashRetried(UserWarning):
+    """vLLM's CPU build crashed (a native abort, no Python exception) loading a model and the retry ran:
+    a crash is retried once and reported here, never counted as an answer; a wrong answer is never retried."""
+
+
+def report_crashes(name: str, entry: dict) -> None:
+    for side in ("quantized", "float"):
+        for crash in entry.get(f"{side}_crashes", []):
+            warnings.warn(VllmCrashRetried(f"{name}: vLLM crashed loading the {side} model (exit "
+                                           f"{crash['exit_status']}: {crash['error']}); the retry loaded it"))

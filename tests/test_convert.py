@@ -332,12 +332,13 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, sig):
     import subprocess
     import sys
 
-    from conftest import FIXTURES, QCONV
+    from conftest import FIXTURES, QCONV, child_signals
     sys.path.insert(0, str(FIXTURES / "layouts"))
     from build import build
 
     src = build(FIXTURES / "layouts" / "qwen3vl-8b-bnb8.json", tmp_path / "src")
     proc = subprocess.run([QCONV, "bnb8-to-gptq", src, tmp_path / "out"], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "QCONV_TEST_SIGNAL": f"tensor-written:{sig}"})
+                          timeout=600, env={**os.environ, "QCONV_TEST_SIGNAL": f"tensor-written:{sig}"},
+                          preexec_fn=child_signals())
     assert proc.returncode == 130 and proc.stderr.strip() == "qconv: interrupted", proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

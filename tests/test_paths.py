@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from conftest import CHECKPOINTS, QCONV, copy_checkpoint, one_error as _one_error, run_qconv
+from conftest import CHECKPOINTS, QCONV, child_signals, copy_checkpoint, one_error as _one_error, run_qconv
 from sweep_cases import snapshot
 
 SECRET = "TOP-SECRET-MARKER qconv must never carry this"
@@ -39,7 +39,7 @@ def _contents(root):
 
 def _qconv(*args, env=None):
     return subprocess.run([QCONV, *map(str, args)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, **(env or {})}, preexec_fn=child_signals())
 
 
 @pytest.fixture
@@ -458,7 +458,8 @@ def test_pickles_are_left_out_of_models(tmp_path, work):
 def _paused(*args):
     """Start qconv and return it stopped (SIGSTOP) right before it renames its result onto DST."""
     proc = subprocess.Popen([QCONV, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "QCONV_TEST_SIGNAL": "before-publish:SIGSTOP"})
+                            text=True, env={**os.environ, "QCONV_TEST_SIGNAL": "before-publish:SIGSTOP"},
+                            preexec_fn=child_signals())
     _, status = os.waitpid(proc.pid, os.WUNTRACED)
     assert os.WIFSTOPPED(status), status
     return proc
@@ -524,12 +525,15 @@ def test_signal_leaves_nothing_not_even_parents(tmp_path, work, sig):
     assert snapshot(work) == before
 
 
-def test_sighup_ignored_at_start_stays_ignored(tmp_path, work):
-    """`nohup qconv ...`: a run whose SIGHUP was ignored when it started finishes when it gets one."""
+@pytest.mark.parametrize("sig", ["SIGHUP", "SIGINT"])
+def test_a_signal_ignored_at_start_stays_ignored(tmp_path, work, sig):
+    """`nohup qconv ...` (SIGHUP ignored) or `qconv ... &` from a script (a non-interactive shell starts
+    background jobs with SIGINT ignored): qconv keeps the disposition it was started with, as every Unix
+    tool does, so the run finishes when it gets that signal (docs/safety.md, "Signals")."""
     m = _model(work)
     proc = subprocess.run([QCONV, "bnb8-to-gptq", m, tmp_path / "out"], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "QCONV_TEST_SIGNAL": "tensor-written:SIGHUP"},
-                          preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+                          timeout=120, env={**os.environ, "QCONV_TEST_SIGNAL": f"tensor-written:{sig}"},
+                          preexec_fn=child_signals(getattr(signal, sig)))
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "out" / "model.safetensors").is_file()
     assert sorted(os.listdir(tmp_path)) == ["out", "work"]

@@ -22,16 +22,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import CHECKPOINTS, REPO, run_qconv
+from conftest import CHECKPOINTS, REPO, report_crashes, run_qconv
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 SCRIPT = REPO / "tests" / "consumers" / "vllm_logprobs.py"
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(not VLLM_PYTHON.exists(),
-                       reason="vLLM's CPU build is not installed: run `bin/setup vllm` (or `bin/test vllm`)"),
-]
+pytestmark = [pytest.mark.vllm, pytest.mark.consumer(VLLM_PYTHON, "vLLM's CPU build (.venv-vllm)")]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _PRODUCER_ONLY_FILES = {"model.safetensors", "model.safetensors.index.json", "config.json",
@@ -154,9 +150,9 @@ def vllm_report(tmp_path_factory, request):
 
 @pytest.mark.parametrize("pair", PAIRS, ids=[p.name for p in PAIRS])
 def test_vllm_cpu_consumer(pair, vllm_report):
-    if pair.name not in vllm_report["pairs"]:
-        pytest.skip(f"`qconv convert --help` does not list --to {pair.needs} yet")
+    assert pair.name in vllm_report["pairs"], f"`qconv convert --help` does not list --to {pair.needs}"
     entry = vllm_report["pairs"][pair.name]
+    report_crashes(pair.name, entry)
     summary = {k: entry.get(k) for k in ("quant_method", "loaded", "error", "max_abs_logprob_diff",
                                          "top1_agreement", "top1_mismatches")}
     if pair.expect == "refused":

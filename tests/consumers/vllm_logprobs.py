@@ -144,24 +144,28 @@ def _prompt_ids(*folders):
     return list(DEFAULT_IDS)
 
 
-def run_model(model, ids, log_dir, tag, timeout):
+def run_model(model, ids, log_dir, tag, timeout, worker=None):
     """One model in a subprocess of its own: (result dict or None, error line or None, seconds).
 
     A run that dies without any Python exception (the CPU build's occasional native abort, e.g.
-    "terminate called without an active exception", seen once in ~40 loads) is tried once more; the
-    result then carries "attempts": 2. A refusal (a Python exception) is never retried."""
+    "terminate called without an active exception" or SIGABRT, exit -6, seen about once in 5 to 40 loads)
+    is a crash, not an answer: it is tried once more, and the result says so ("attempts": 2, "crashes":
+    [{"exit_status", "error"}]). A refusal (a Python exception) is never retried, and neither is a wrong
+    answer: the comparison only ever sees a run that completed."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # On CPUs with AMX, vLLM would run 4-bit weights with int8 activations (W4A8); the same W4A16 kernel
     # on every machine keeps the measured noise, and so the tolerance, the same.
     env.setdefault("VLLM_CPU_INT4_W4A8", "0")
     t0 = time.monotonic()
+    crashes = []
     for attempt in (1, 2):
         suffix = "" if attempt == 1 else f"-attempt{attempt}"
         out = Path(log_dir) / f"{tag}{suffix}.json"
         log = Path(log_dir) / f"{tag}{suffix}.log"
         out.unlink(missing_ok=True)
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(model), "--ids",
+        # worker: the command that loads one model (tests/test_consumer_harness.py passes stand-ins)
+        cmd = [*(worker or [sys.executable, os.path.abspath(__file__), "--worker"]), str(model), "--ids",
                ",".join(map(str, ids)), "--worker-out", str(out)]
         with open(log, "w") as f:
             # A session of its own, so a timeout ends the worker's engine processes too (by group id).
@@ -177,6 +181,7 @@ def run_model(model, ids, log_dir, tag, timeout):
         if out.is_file():           # complete (renamed into place); a crash in teardown does not spoil it
             result = json.loads(out.read_text())
             result["attempts"] = attempt
+            result["crashes"] = crashes
             if rc != 0:
                 result["exit_status"] = rc
             return result, None, seconds
@@ -184,7 +189,9 @@ def run_model(model, ids, log_dir, tag, timeout):
             return None, f"timed out after {timeout} s", seconds
         error, python_error = _errors(log.read_text(errors="replace"))
         if python_error or attempt == 2:
-            return None, (error if attempt == 1 else f"{error} (twice)"), seconds
+            return None, (error if attempt == 1 else f"crashed twice (exit {crashes[0]['exit_status']}, "
+                                                     f"then {rc}): {error}"), seconds
+        crashes.append({"exit_status": rc, "error": error})
 
 
 def compare(quant_positions, float_positions, tolerance):
@@ -255,6 +262,7 @@ def main(argv=None):
             entry["quantized_load_s"] = q["load_s"]
             entry["quantized_run_s"] = q["run_s"]
             entry["quantized_attempts"] = q["attempts"]
+            entry["quantized_crashes"] = q["crashes"]
             if "exit_status" in q:
                 entry["quantized_exit_status"] = q["exit_status"]
             f, f_err, f_s = run_once(fpath, ids, f"{i // 2:02d}-float")
@@ -266,6 +274,7 @@ def main(argv=None):
                 entry["float_load_s"] = f["load_s"]
                 entry["float_run_s"] = f["run_s"]
                 entry["float_attempts"] = f["attempts"]
+                entry["float_crashes"] = f["crashes"]
                 if "exit_status" in f:
                     entry["float_exit_status"] = f["exit_status"]
                 diff, top1, mismatches = compare(q["positions"], f["positions"], args.tolerance)
@@ -280,7 +289,9 @@ def main(argv=None):
               f"max|dlogprob|={entry['max_abs_logprob_diff']} top1={entry['top1_agreement']}"
               + (f" (flips at float gaps {[m['float_gap'] for m in flips]})" if flips else "")
               + f" load s: quantized={entry.get('quantized_load_s')} float={entry.get('float_load_s')}"
-              + (f" error={entry['error']}" if entry["error"] else ""), flush=True)
+              + (f" error={entry['error']}" if entry["error"] else "")
+              + "".join(f" RETRIED: the {side} run crashed (exit {c['exit_status']}: {c['error']})"
+                        for side in ("quantized", "float") for c in entry.get(f"{side}_crashes", [])), flush=True)
         out.write_text(json.dumps({"tolerance": args.tolerance, "pairs": pairs}, indent=2) + "\n")
     out.write_text(json.dumps({"tolerance": args.tolerance, "pairs": pairs}, indent=2) + "\n")
     return 0 if all(e["matched"] for e in pairs) else 1

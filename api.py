@@ -1,0 +1,357 @@
+"""qconv's Python API: the command line's verbs for release scripts and notebooks.
+
+    import qconv
+
+    report = qconv.inspect("model/")                       # header-only, no torch, no numpy
+    result = qconv.convert("bnb8/", "gptq/", to="gptq", bits=8, group_size=-1, validate=True)
+    qconv.dequantize("gptq/", "float/", dtype="bfloat16")
+    check = qconv.validate("bnb8/", "gptq/")               # raises ValidationFailed unless every layer passes
+
+Every verb takes its options as explicit keywords, checks them through one frozen options model that the
+CLI builds too (``InspectOptions``, ``ConvertOptions``, ``DequantizeOptions``, ``ValidateOptions``), and
+returns a typed, frozen result whose ``data`` is exactly the document ``--json`` prints (``to_json()``
+gives the text). Failures raise the classes of ``qconv.errors``, each carrying the exit code the CLI
+returns for it (``err.exit_code``): ``UsageError`` 2, ``InputNotFound`` 3, ``CorruptCheckpoint`` 4,
+``UnsupportedFormat`` 5, ``OutputError`` 6, ``CheckFailed`` / ``ValidationFailed`` 1 (with ``err.result``).
+Progress goes to the ``progress`` callback (``ProgressEvent``), never to stdout or stderr; the API prints
+nothing. Ctrl-C (and SIGTERM / SIGHUP while a folder is being written, from the main thread) raises
+KeyboardInterrupt after the staging folder is removed: DST is either complete or untouched.
+
+Importing qconv loads neither torch nor numpy; each verb imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import CheckFailed, UsageError, ValidationFailed
+from .progress import ProgressCallback, ProgressEvent, reporting
+
+__all__ = ["inspect", "convert", "bnb8_to_gptq", "dequantize", "validate",
+           "InspectOptions", "ConvertOptions", "DequantizeOptions", "ValidateOptions",
+           "InspectResult", "ConvertResult", "DequantizeResult", "ValidateResult",
+           "ProgressEvent", "targets", "to_json", "parse_size"]
+
+FLOAT_TARGETS = ("float16", "bfloat16", "float32")
+SCALE_DTYPES = FLOAT_TARGETS
+DEQUANTIZE_DTYPES = ("auto",) + FLOAT_TARGETS
+BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+QUANT_STORAGES = ("uint8", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
+ROWS = ("all", "sampled")
+KERNELS = ("sampled", "all")
+DEFAULT_MAX_SHARD = "5GB"
+SAMPLES_RANGE = (1, 4096)
+SEED_RANGE = (0, 2**32 - 1)
+
+
+def targets() -> tuple[str, ...]:
+    """The names ``convert(to=...)`` takes: the format registry's quantized targets, then the float ones."""
+    from .formats.registry import targets as registered
+
+    return tuple(t.name for t in registered() if not t.internal) + FLOAT_TARGETS
+
+
+def _what(name: str) -> str:
+    """An option as both spellings name it: the keyword and the command line's flag."""
+    return f"{name} (--{name.replace('_', '-')})"
+
+
+def parse_size(value: int | str, what: str = _what("max_shard_size")) -> int:
+    """Bytes from 5_000_000_000, "5GB", "500MB", "2GiB", ...; a usage error for anything else (0, negative,
+    nan, inf, unknown units)."""
+    if isinstance(value, bool):
+        raise UsageError(f"{what} {value!r} is not a size like 5GB or 500MB")
+    if isinstance(value, int):
+        if value >= 1:
+            return value
+        raise UsageError(f"{what} {value!r} is not a size like 5GB or 500MB")
+    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "B": 1}
+    t = str(value).strip().upper()
+    for unit, factor in units.items():
+        if t.endswith(unit):
+            try:
+                number = float(t[: -len(unit)])
+            except ValueError:
+                break
+            if math.isfinite(number) and number * factor >= 1:     # not nan, inf, 0 or negative
+                return int(number * factor)
+            break
+    raise UsageError(f"{what} {value!r} is not a size like 5GB or 500MB")
+
+
+def _choice(name: str, value, choices) -> None:
+    if value is not None and value not in choices:
+        raise UsageError(f"{_what(name)} {value!r} is not one of {', '.join(map(str, choices))}")
+
+
+def _int_in(name: str, value, lo: int, hi: int | None = None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise UsageError(f"{_what(name)} {value!r} is not an integer in {bound}")
+
+
+# --- options: one frozen model per verb, built by the CLI and the API alike --------------------------------
+
+@dataclass(frozen=True)
+class InspectOptions:
+    strict: bool = False           # a warning fails the check (CheckFailed, exit 1)
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """What ``qconv convert`` / ``qconv.convert`` takes. None means "the source's" (see ``qconv convert --help``)."""
+    to: str
+    bits: int | None = None
+    group_size: int | None = None          # -1: one group per output row
+    sym: bool | None = None
+    scale_dtype: str | None = None         # float16 | bfloat16 | float32
+    blocksize: int | None = None           # bnb4 targets
+    double_quant: bool | None = None       # bnb4 targets
+    quant_storage: str | None = None       # bnb4 targets
+    validate: bool = False                 # check every layer against SRC before DST is published
+    overwrite: bool = False
+    max_shard_size: int | str = DEFAULT_MAX_SHARD
+    source: str | None = None              # the only source method accepted (bnb8_to_gptq: "bnb8")
+
+    def __post_init__(self):
+        _choice("to", self.to, targets())
+        _int_in("bits", self.bits, 2, 8)
+        if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
+                                            or (self.group_size != -1 and self.group_size < 1)):
+            raise UsageError(f"{_what('group_size')} {self.group_size!r} is not a group size: use -1 (one group "
+                             f"per output row) or a positive number")
+        _choice("scale_dtype", self.scale_dtype, SCALE_DTYPES)
+        _choice("blocksize", self.blocksize, BLOCKSIZES)
+        _choice("quant_storage", self.quant_storage, QUANT_STORAGES)
+        object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
+
+    def conversion(self):
+        """The conversion's own settings (convert.convert.Options)."""
+        from .convert.convert import Options
+
+        return Options(self.to, self.bits, self.group_size, self.sym, self.scale_dtype, self.blocksize,
+                       self.double_quant, self.quant_storage, source=self.source)
+
+
+@dataclass(frozen=True)
+class DequantizeOptions:
+    dtype: str = "auto"                    # auto: the model's own dtype (config.json)
+    overwrite: bool = False
+    max_shard_size: int | str = DEFAULT_MAX_SHARD
+
+    def __post_init__(self):
+        _choice("dtype", self.dtype, DEQUANTIZE_DTYPES)
+        object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
+
+
+@dataclass(frozen=True)
+class ValidateOptions:
+    device: str = "auto"
+    tol: float | None = None               # relative Frobenius tolerance per layer (lossy pairs)
+    samples: int = 32
+    seed: int = 0
+    rows: str = "all"
+    kernels: str = "sampled"
+
+    def __post_init__(self):
+        _choice("device", self.device, DEVICES)
+        _choice("rows", self.rows, ROWS)
+        _choice("kernels", self.kernels, KERNELS)
+        _int_in("samples", self.samples, *SAMPLES_RANGE)
+        _int_in("seed", self.seed, *SEED_RANGE)
+        if self.tol is not None and (isinstance(self.tol, bool) or not isinstance(self.tol, (int, float))
+                                     or not math.isfinite(self.tol) or self.tol <= 0):
+            raise UsageError(f"{_what('tol')} {self.tol!r} is not a positive finite number")
+
+
+# --- results: typed, frozen; ``data`` is what --json prints ---------------------------------------------
+
+def to_json(data: Mapping[str, Any]) -> str:
+    """The --json document: strict JSON (RFC 8259 has no NaN or Infinity), so a non-finite number, which
+    only a failed check can produce, is written as null."""
+    return json.dumps(_finite(data), indent=2, allow_nan=False)
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _component_warnings(data: Mapping) -> tuple[str, ...]:
+    return tuple(f"{c['component']}: {w}" for c in data.get("components", []) for w in c.get("warnings", [])) \
+        + tuple(data.get("warnings", []))
+
+
+@dataclass(frozen=True)
+class _Result:
+    data: Mapping[str, Any] = field(repr=False)
+
+    def to_json(self) -> str:
+        return to_json(self.data)
+
+
+@dataclass(frozen=True)
+class InspectResult(_Result):
+    path: str
+    kind: str                              # "model", "pipeline" or "file"
+    components: tuple[Mapping[str, Any], ...] = field(repr=False)
+    methods: tuple[str, ...]               # per component: bnb8, gptq, compressed-tensors, unquantized, ...
+    warnings: tuple[str, ...]              # "component: warning"
+
+
+@dataclass(frozen=True)
+class _Written(_Result):
+    source: Path
+    destination: Path
+    seconds: float
+    components: tuple[Mapping[str, Any], ...] = field(repr=False)
+    warnings: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ConvertResult(_Written):
+    codes_kept: int                        # modules whose codes were carried over unchanged
+    requantized: tuple[Mapping[str, Any], ...] = field(repr=False)  # per requantized module: error, RTN error
+    validated: bool                        # every layer was checked against SRC before DST was published
+
+
+@dataclass(frozen=True)
+class DequantizeResult(_Written):
+    dequantized_modules: int
+
+
+@dataclass(frozen=True)
+class ValidateResult(_Result):
+    a: str
+    b: str
+    ok: bool
+    layers: tuple[Mapping[str, Any], ...] = field(repr=False)
+    failed: tuple[str, ...]                # modules that failed (or could not be compared)
+    only_in_a: tuple[str, ...]             # modules / components on one side only (they fail the check)
+    only_in_b: tuple[str, ...]
+
+
+def _written(cls, data: dict, **extra):
+    return cls(data=data, source=Path(data["source"]), destination=Path(data["destination"]),
+               seconds=data["seconds"], components=tuple(data["components"]),
+               warnings=_component_warnings(data), **extra)
+
+
+# --- the verbs --------------------------------------------------------------------------------------------
+
+def inspect(path: str | os.PathLike[str], *, strict: bool = False) -> InspectResult:
+    """Describe the checkpoint at ``path`` (model folder, .safetensors file or pipeline folder) from its
+    headers and configs alone: method and settings, quantized modules by scheme, parameters per dtype, bytes,
+    bits per weight and warnings. Imports neither torch nor numpy.
+
+    strict: raise ``CheckFailed`` (exit 1, ``err.result`` the report) when any warning is found."""
+    opts = InspectOptions(strict=strict)
+    from .inspection import inspect_path
+
+    data = inspect_path(path)
+    result = InspectResult(data=data, path=data["path"], kind=data["kind"], components=tuple(data["components"]),
+                           methods=tuple(c["method"] for c in data["components"]),
+                           warnings=_component_warnings(data))
+    if opts.strict and result.warnings:
+        raise CheckFailed(f"{len(result.warnings)} warning(s): {result.warnings[0]}", file=path, result=result)
+    return result
+
+
+def _run_convert(src, dst, opts: ConvertOptions, progress: ProgressCallback | None) -> ConvertResult:
+    from .convert.convert import convert as run_convert
+
+    with reporting(progress):
+        data = run_convert(Path(src), Path(dst), opts.conversion(), overwrite=opts.overwrite,
+                           max_shard_size=opts.max_shard_size, validate=opts.validate)
+    packed = [c for c in data["components"] if "to" in c]
+    return _written(ConvertResult, data, codes_kept=sum(c["codes_kept"] for c in packed),
+                    requantized=tuple(r for c in packed for r in c.get("layers", [])),
+                    validated=bool(data["components"]) and all("validation" in c for c in data["components"]))
+
+
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str, bits: int | None = None,
+            group_size: int | None = None, sym: bool | None = None, scale_dtype: str | None = None,
+            blocksize: int | None = None, double_quant: bool | None = None, quant_storage: str | None = None,
+            validate: bool = False, overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD,
+            progress: ProgressCallback | None = None) -> ConvertResult:
+    """Rewrite ``src`` as ``to`` (``targets()``: gptq, gptq-v2, auto-round, compressed-tensors,
+    compressed-tensors-w8a8, awq, bnb8, bnb4-nf4, bnb4-fp4, float16, bfloat16, float32) at ``dst``, keeping
+    every code where the arithmetic allows and requantizing (error reported in ``result.requantized``)
+    where it does not. None means "the source's" for bits, group_size (-1: one group per row), sym and
+    scale_dtype; blocksize, double_quant and quant_storage apply to the bnb4 targets. validate=True checks
+    every layer against ``src`` before ``dst`` is published (``ValidationFailed`` otherwise, nothing
+    written). ``dst`` must not exist or be empty unless overwrite=True. max_shard_size: bytes or "5GB"."""
+    opts = ConvertOptions(to, bits, group_size, sym, scale_dtype, blocksize, double_quant, quant_storage,
+                          validate, overwrite, max_shard_size)
+    return _run_convert(src, dst, opts, progress)
+
+
+def bnb8_to_gptq(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, scale_dtype: str | None = None,
+                 validate: bool = False, overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD,
+                 progress: ProgressCallback | None = None) -> ConvertResult:
+    """A bitsandbytes LLM.int8 checkpoint as GPTQ 8-bit, one scale per output row, symmetric, every code kept
+    (q = CB + 128); scales SCB / 127 stored as float16 unless scale_dtype says otherwise. Any other source
+    method is refused (``UnsupportedFormat``)."""
+    opts = ConvertOptions("gptq", 8, -1, True, scale_dtype, validate=validate, overwrite=overwrite,
+                          max_shard_size=max_shard_size, source="bnb8")
+    return _run_convert(src, dst, opts, progress)
+
+
+def dequantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: str = "auto",
+               overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD,
+               progress: ProgressCallback | None = None) -> DequantizeResult:
+    """Write ``src`` (any format qconv reads) at ``dst`` as a plain float folder that transformers loads:
+    sharded safetensors, config.json without quantization_config, every other file copied. dtype: auto (the
+    model's own), float16, bfloat16 or float32."""
+    opts = DequantizeOptions(dtype, overwrite, max_shard_size)
+    from .convert.dequantize import dequantize as run_dequantize
+
+    with reporting(progress):
+        data = run_dequantize(Path(src), Path(dst), dtype=None if opts.dtype == "auto" else opts.dtype,
+                              overwrite=opts.overwrite, max_shard_size=opts.max_shard_size)
+    return _written(DequantizeResult, data,
+                    dequantized_modules=sum(c["dequantized_modules"] for c in data["components"]))
+
+
+def validate(a: str | os.PathLike[str], b: str | os.PathLike[str], *, device: str = "auto",
+             tol: float | None = None, samples: int = 32, seed: int = 0, rows: str = "all",
+             kernels: str = "sampled", check: bool = True,
+             progress: ProgressCallback | None = None) -> ValidateResult:
+    """Check layer by layer that checkpoints ``a`` and ``b`` compute the same thing (seeded activations
+    through both sides' exact weights, and the producers' own kernels where installed; bounds in
+    docs/validate.md). tol: a relative Frobenius tolerance per layer for lossy pairs. check=True (default)
+    raises ``ValidationFailed`` (exit 1, ``err.result`` the report) unless every layer passes; check=False
+    returns the failing report instead."""
+    opts = ValidateOptions(device, tol, samples, seed, rows, kernels)
+    from .validation import validate as run_validate
+
+    with reporting(progress):
+        data = run_validate(a, b, samples=opts.samples, seed=opts.seed, tol=opts.tol, device=opts.device,
+                            rows=opts.rows, kernels=opts.kernels)
+    only_a = tuple(m for c in data["components"] for m in c["only_in_a"]) + tuple(data["components_only_in_a"])
+    only_b = tuple(m for c in data["components"] for m in c["only_in_b"]) + tuple(data["components_only_in_b"])
+    result = ValidateResult(data=data, a=data["a"], b=data["b"], ok=data["ok"], layers=tuple(data["layers"]),
+                            failed=tuple(layer["module"] for layer in data["layers"] if not layer["ok"]),
+                            only_in_a=only_a, only_in_b=only_b)
+    if check and not result.ok:
+        if result.failed:
+            why = f"{len(result.failed)} of {len(result.layers)} layers differ (first: {result.failed[0]})"
+        elif only_a or only_b:
+            why = f"on one side only: {', '.join((only_a + only_b)[:5])}"
+        else:
+            why = "no layer in common: nothing was compared, which proves nothing"
+        raise ValidationFailed(f"{a} and {b} do not compute the same thing: {why}", result=result)
+    return result
