@@ -59,7 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .probes import import_bitsandbytes, outlier_activations
+from .probes import import_bitsandbytes, outlier_activations, producer_imports
 from .errors import UsageError
 from .progress import report as report_progress
 from .formats.checkpoint import Component, open_target
@@ -366,7 +366,8 @@ def _kernel_output(kernel: str, m: QuantModule, raw: dict, X, k: int, device):
     if kernel == "auto-round":
         # auto_round_extension's torch_zp QuantLinear: what transformers loads GPTQ v1 /
         # auto_round:auto_gptq checkpoints with on the CPU; it reads v1 zero points as stored + 1.
-        from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
+        with producer_imports():
+            from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
 
         layer = QuantLinear(m.bits, m.group_size if m.group_size and m.group_size > 0 else -1, m.in_features,
                             k, bias=False)

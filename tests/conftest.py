@@ -34,10 +34,23 @@ def child_signals(*ignored: signal.Signals):
     return preexec
 
 
+# Variables that would change what a qconv child prints or does, whatever the test means: Python's warning
+# switches (PYTHONWARNINGS=default prints torch's DeprecationWarnings beside qconv's one error line) and
+# qconv's own debug and test hooks (QCONV_DEBUG, QCONV_TEST_SIGNAL). A test that wants one sets it.
+_SCRUBBED = ("PYTHONWARNINGS", "PYTHONDEVMODE", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def child_env(**extra: str) -> dict:
+    """The environment of a qconv child: this one without _SCRUBBED and QCONV_* variables, plus extra."""
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED and not k.startswith("QCONV_")}
+    return {**env, **extra}
+
+
 def run_qconv(*args, check=None):
-    """Run the installed console script, as a user does (at a terminal: default signal dispositions)."""
+    """Run the installed console script, as a user does (at a terminal: default signal dispositions, no
+    debugging or warning switches)."""
     proc = subprocess.run([QCONV, *map(str, args)], capture_output=True, text=True, timeout=120,
-                          preexec_fn=child_signals())
+                          env=child_env(), preexec_fn=child_signals())
     if check is not None:
         assert proc.returncode == check, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     return proc

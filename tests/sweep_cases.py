@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import CHECKPOINTS, QCONV, child_signals, copy_checkpoint, load_tensors
+from conftest import CHECKPOINTS, QCONV, child_env, child_signals, copy_checkpoint, load_tensors
 
 DOCUMENTED = {0, 1, 2, 3, 4, 5, 6, 130}
 TARGETS = ["gptq", "gptq-v2", "auto-round", "bnb8", "bnb4-nf4", "bnb4-fp4", "float16", "bfloat16", "float32"]
@@ -79,7 +79,7 @@ def run_inprocess(*args) -> Run:
 def run_subprocess(*args, timeout=120) -> Run:
     """The console script in a child process: for inputs that could hang or read without limit if a
     regression let qconv open them (FIFOs, /dev/zero), which would stall this process."""
-    env = {k: v for k, v in os.environ.items() if k != "QCONV_DEBUG"}
+    env = child_env()
     try:
         proc = subprocess.run([QCONV, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env,
                               preexec_fn=child_signals())

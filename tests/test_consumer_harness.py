@@ -19,6 +19,8 @@ kind = Path(model).name
 marker = Path(model) / "crashed-once"
 if kind == "crash-always" or (kind == "crash-once" and not marker.exists()):
     marker.touch()
+    import resource
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))   # no core file left behind
     print("terminate called without an active exception", flush=True)
     os.abort()                                     # SIGABRT, exit -6: what vLLM's CPU build does
 if kind == "refuse":

@@ -70,6 +70,7 @@ def _logits(path, ids, vlm=False, **kwargs):
 # scales: at most 2^-11 relative) and the consumer kernel's fp16/bf16 arithmetic: measured below 0.3 %;
 # a wrong code or zero point moves logits by tens of percent.
 KERNEL_TOLERANCE = 0.01
+BF16_KERNEL_TOLERANCE = 0.03
 
 
 @pytest.mark.parametrize("name, args", [
@@ -103,14 +104,16 @@ def test_gptq_and_auto_round_outputs_run_in_auto_round_kernels(tmp_path, name, a
 
 def test_bnb8_output_runs_in_bitsandbytes(tmp_path):
     """bnb8 -> GPTQ with float32 scales -> bnb8 gives back the source's bytes (SCB recovered exactly),
-    so LLM.int8 reproduces the producer's logits exactly; through float16 scales SCB moves by the
-    scale rounding, and the model still runs in bitsandbytes within LLM.int8's own error of a float
-    reference (its activation quantization: 1.3-1.7 % measured, see test_dequantize.TOLERANCE)."""
+    so LLM.int8 computes exactly what it computes on the producer's own file, run here in the same process
+    (not the stored oracle: torch's bf16 kernels pick their path by CPU, AVX2 / AVX512 / AMX, and moved
+    these logits by 1 % under AVX2); through float16 scales SCB moves by the scale rounding, and the model
+    still runs in bitsandbytes within LLM.int8's own error of that (its activation quantization: 1.3-1.7 %
+    measured, see test_dequantize.TOLERANCE)."""
     import bitsandbytes as bnb
 
     src = CHECKPOINTS / "qwen3vl-bnb8-skipvisual"
     ids = load_file(src / "oracle" / "logits.safetensors")["input_ids"]
-    oracle = load_file(src / "oracle" / "logits.safetensors")["logits"]
+    _, oracle = _logits(src, ids, vlm=True)
     for scale_dtype in ("float32", "float16"):
         gptq, back = tmp_path / f"gptq-{scale_dtype}", tmp_path / f"bnb8-{scale_dtype}"
         _convert(src, gptq, "bnb8-to-gptq", "--scale-dtype", scale_dtype)
@@ -270,9 +273,13 @@ def test_bnb4_repack_writes_bitsandbytes_own_bytes(tmp_path):
     for name in ("same", "other"):
         run_qconv("dequantize", "--dtype", "float16", tmp_path / name, tmp_path / f"{name}-deq", check=0)
     assert all(torch.equal(v, load_tensors(tmp_path / "same-deq")[k]) for k, v in load_tensors(tmp_path / "other-deq").items())
-    oracle = load_file(src / "oracle" / "logits.safetensors")
-    _, logits = _logits(tmp_path / "other", oracle["input_ids"])
-    assert ((logits - oracle["logits"]).norm() / oracle["logits"].norm()).item() < 1e-4
+    # Run against the producer's own file in this process, not the stored oracle: on CPUs with
+    # AVX512-BF16 Linear4bit runs a packed bf16 kernel (bitsandbytes/nn/modules.py, Linear4bit.forward),
+    # elsewhere another; the same values give the same logits on either, so the bound is float32 noise.
+    ids = load_file(src / "oracle" / "logits.safetensors")["input_ids"]
+    _, theirs = _logits(src, ids)
+    _, logits = _logits(tmp_path / "other", ids)
+    assert ((logits - theirs).norm() / theirs.norm()).item() < 1e-5
 
 
 @pytest.mark.parametrize("name, to", [("llama-gptq-w4g128-actorder", "bnb4-nf4"), ("llama-bnb8", "bnb4-fp4")])
@@ -293,7 +300,10 @@ def test_requantized_bnb4_runs_in_bitsandbytes(tmp_path, name, to):
     assert {n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)} == \
         {k[: -len(".weight.absmax")] for k in load_tensors(out) if k.endswith(".weight.absmax")}
     _, ref = _logits(reference, ids)
-    assert ((logits - ref).norm() / ref.norm()).item() < KERNEL_TOLERANCE
+    # bitsandbytes' Linear4bit computes in bf16 on CPUs with AVX512-BF16 (measured 0.0076-0.0086 there),
+    # in the model's dtype elsewhere: bounded by bf16's rounding of activations and weights (2^-8 each,
+    # compounded over two layers), as test_convert_edge does; a wrong code moves logits by tens of percent.
+    assert ((logits - ref).norm() / ref.norm()).item() < BF16_KERNEL_TOLERANCE
 
 
 def test_new_double_quantization_is_read_by_bitsandbytes_as_written(tmp_path):
@@ -328,17 +338,16 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, sig):
     """The signal arrives mid-conversion whatever the machine's load: the test-only hook
     QCONV_TEST_SIGNAL (convert/staging.py) makes qconv signal itself once its first output tensor is
     on disk, in the staging folder."""
-    import os
     import subprocess
     import sys
 
-    from conftest import FIXTURES, QCONV, child_signals
+    from conftest import FIXTURES, QCONV, child_env, child_signals
     sys.path.insert(0, str(FIXTURES / "layouts"))
     from build import build
 
     src = build(FIXTURES / "layouts" / "qwen3vl-8b-bnb8.json", tmp_path / "src")
     proc = subprocess.run([QCONV, "bnb8-to-gptq", src, tmp_path / "out"], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "QCONV_TEST_SIGNAL": f"tensor-written:{sig}"},
+                          timeout=600, env=child_env(QCONV_TEST_SIGNAL=f"tensor-written:{sig}"),
                           preexec_fn=child_signals())
     assert proc.returncode == 130 and proc.stderr.strip() == "qconv: interrupted", proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -16,7 +16,7 @@ from qconv.formats.checkpoint import open_target
 from qconv.formats.detect import detect
 from qconv.formats.reader import read_module
 
-from conftest import CHECKPOINTS, FIXTURES, QCONV, QUANTIZED, child_signals, copy_checkpoint, run_qconv
+from conftest import CHECKPOINTS, FIXTURES, QCONV, QUANTIZED, child_env, child_signals, copy_checkpoint, run_qconv
 
 
 def _producer(name):
@@ -234,7 +234,7 @@ def test_sigterm_leaves_nothing(tmp_path, sig):
     src = build(FIXTURES / "layouts" / "qwen3vl-8b-bnb8.json", tmp_path / "src")
     out = tmp_path / "out"
     proc = subprocess.run([QCONV, "dequantize", src, out], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "QCONV_TEST_SIGNAL": f"tensor-written:{sig}"},
+                          env=child_env(QCONV_TEST_SIGNAL=f"tensor-written:{sig}"),
                           preexec_fn=child_signals())
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr.strip() == "qconv: interrupted"

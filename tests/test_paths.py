@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from conftest import CHECKPOINTS, QCONV, child_signals, copy_checkpoint, one_error as _one_error, run_qconv
+from conftest import CHECKPOINTS, QCONV, child_env, child_signals, copy_checkpoint, one_error as _one_error, run_qconv
 from sweep_cases import snapshot
 
 SECRET = "TOP-SECRET-MARKER qconv must never carry this"
@@ -39,7 +39,7 @@ def _contents(root):
 
 def _qconv(*args, env=None):
     return subprocess.run([QCONV, *map(str, args)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})}, preexec_fn=child_signals())
+                          env=child_env(**(env or {})), preexec_fn=child_signals())
 
 
 @pytest.fixture
@@ -458,7 +458,7 @@ def test_pickles_are_left_out_of_models(tmp_path, work):
 def _paused(*args):
     """Start qconv and return it stopped (SIGSTOP) right before it renames its result onto DST."""
     proc = subprocess.Popen([QCONV, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "QCONV_TEST_SIGNAL": "before-publish:SIGSTOP"},
+                            text=True, env=child_env(QCONV_TEST_SIGNAL="before-publish:SIGSTOP"),
                             preexec_fn=child_signals())
     _, status = os.waitpid(proc.pid, os.WUNTRACED)
     assert os.WIFSTOPPED(status), status
@@ -532,7 +532,7 @@ def test_a_signal_ignored_at_start_stays_ignored(tmp_path, work, sig):
     tool does, so the run finishes when it gets that signal (docs/safety.md, "Signals")."""
     m = _model(work)
     proc = subprocess.run([QCONV, "bnb8-to-gptq", m, tmp_path / "out"], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "QCONV_TEST_SIGNAL": f"tensor-written:{sig}"},
+                          timeout=120, env=child_env(QCONV_TEST_SIGNAL=f"tensor-written:{sig}"),
                           preexec_fn=child_signals(getattr(signal, sig)))
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "out" / "model.safetensors").is_file()
@@ -588,3 +588,25 @@ def test_destination_set_aside_by_a_killed_run_is_put_back(tmp_path, work):
     _one_error(proc, 6, "out", "not empty")
     assert (tmp_path / "out" / "f").read_text() == "previous output"
     assert sorted(os.listdir(tmp_path)) == ["out", "work"]
+
+
+@pytest.mark.parametrize("args", [
+    ["convert", "llama-ct-w4a16-asym", "OUT", "--to", "gptq", "--validate"],
+    ["validate", "llama-gptq-w4g64-asym", "llama-gptq-w4g64-asym", "--kernels", "all"],
+    ["validate", "llama-bnb4-nf4-dq", "llama-bnb4-nf4-dq"],
+    ["bnb8-to-gptq", "llama-bnb8", "OUT", "--validate"],
+    ["convert", "llama-ct-w4a16", "OUT", "--to", "compressed-tensors-w8a8"],
+], ids=lambda a: "-".join(a[:1] + a[1:2]) + ("-" + a[a.index("--to") + 1] if "--to" in a else ""))
+def test_nothing_is_written_to_the_temporary_folder(tmp_path, args):
+    """The producers' kernels (bitsandbytes, auto-round) import torch._dynamo, whose import makes torch's
+    compile cache folder under the temporary folder (torchinductor_<user>); qconv keeps it from being
+    made (probes.producer_imports): nothing but DST appears anywhere."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    argv = [str(tmp_path / "out") if a == "OUT" else str(CHECKPOINTS / a) if (CHECKPOINTS / a).is_dir() else a
+            for a in args]
+    proc = subprocess.run([QCONV, *argv], capture_output=True, text=True, timeout=300, preexec_fn=child_signals(),
+                          env=child_env(TMPDIR=str(tmp)))
+    assert proc.returncode == 0, proc.stderr
+    assert os.listdir(tmp) == []
+    assert sorted(os.listdir(tmp_path)) == (["out", "tmp"] if "OUT" in args else ["tmp"])

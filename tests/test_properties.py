@@ -20,7 +20,10 @@ from qconv.formats.reader import read_module
 
 from conftest import CHECKPOINTS
 
-PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomize, no example database: the same examples on every machine and every run, whatever the
+# environment (a CI variable would otherwise switch Hypothesis's profile) and the working folder hold.
+PROPS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -74,9 +77,12 @@ def test_4bit_reader_equals_bitsandbytes_dequantize(tmp_path, out, inp, blocksiz
     bits = {"float16": torch.int16, "bfloat16": torch.int16, "float32": torch.int32}[dtype]
     assert torch.equal(ours.view(bits), reference.view(bits))
 
-    # The public dequantize_4bit: on CPU, rows of even length go to a C kernel that indexes absmax by
-    # row, which matches the flat blocks its quantizer wrote only when rows align with blocks (every real
-    # model's rows do; see the note in test_4bit_c_kernel_misreads_unaligned_rows).
+    # The public dequantize_4bit: on CPU, rows of even length go to a C kernel whose AVX512 branch
+    # (bitsandbytes 0.50 csrc/cpu_ops.cpp, dequantizeBlockwise4bitCpu, taken when the CPU has AVX512F)
+    # indexes absmax by row, which matches the flat blocks its quantizer wrote only when rows align with
+    # blocks (every real model's rows do): e.g. a [3, 16] weight in blocks of 32 gives another answer
+    # than the reference above there, and the right one on CPUs without AVX512. So the public API is
+    # compared on aligned rows only, where every branch agrees on every CPU.
     if inp % blocksize == 0:
         public = F.dequantize_4bit(packed, qs)
         if packed.shape[0] == 1:          # bitsandbytes transposes results with a one-row packed weight
@@ -95,21 +101,6 @@ def test_codebooks_are_bitsandbytes_own():
     for name, qtype in [("llama-bnb4-fp4", "fp4"), ("llama-bnb4-nf4-dq", "nf4")]:
         stored = load_file(CHECKPOINTS / name / "model.safetensors")["model.layers.0.mlp.up_proj.weight.quant_map"]
         assert np.array_equal(stored.view(np.uint32), CODEBOOKS[qtype].view(np.uint32))
-
-
-def test_4bit_c_kernel_misreads_unaligned_rows():
-    """Why the public-API comparison above is limited to rows that align with blocks: bitsandbytes'
-    C CPU kernel gives another answer than its own reference path (and than qconv) for a [3, 16]
-    weight in blocks of 32, where the last block starts mid-way through the matrix."""
-    import bitsandbytes.functional as F
-    from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
-    from bitsandbytes.backends.utils import _get_4bit_code
-
-    w = _weights(3, 16, "float16", 0)
-    packed, qs = F.quantize_4bit(w, blocksize=32, quant_type="nf4")
-    reference = _dequantize_4bit_compute.__wrapped__(packed.reshape(-1), qs.absmax, _get_4bit_code("nf4", "cpu"),
-                                                     32, qs.shape, qs.dtype)
-    assert not torch.equal(F.dequantize_4bit(packed, qs), reference)
 
 
 @PROPS

@@ -84,7 +84,8 @@ mutation = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(mutations=st.lists(mutation, min_size=1, max_size=3))
 def test_refuses_exactly_what_safetensors_refuses(tmp_path, mutations):
     base = _valid_file(tmp_path)

@@ -155,8 +155,9 @@ def run_model(model, ids, log_dir, tag, timeout, worker=None):
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # On CPUs with AMX, vLLM would run 4-bit weights with int8 activations (W4A8); the same W4A16 kernel
-    # on every machine keeps the measured noise, and so the tolerance, the same.
-    env.setdefault("VLLM_CPU_INT4_W4A8", "0")
+    # on every machine keeps the measured noise, and so the tolerance, the same. Set, not defaulted: an
+    # inherited VLLM_CPU_INT4_W4A8=1 must not change what is measured. No usage reports, no hub look-ups.
+    env.update(VLLM_CPU_INT4_W4A8="0", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
     t0 = time.monotonic()
     crashes = []
     for attempt in (1, 2):
