@@ -239,7 +239,8 @@ class ValidateResult(_Result):
     b: str
     ok: bool
     layers: tuple[Mapping[str, Any], ...] = field(repr=False)
-    failed: tuple[str, ...]                # modules that failed (or could not be compared)
+    failed: tuple[str, ...]                # modules that failed (or could not be compared), then other tensors
+                                           # (biases, norms, buffers) that differ
     only_in_a: tuple[str, ...]             # modules / components on one side only (they fail the check)
     only_in_b: tuple[str, ...]
 
@@ -344,11 +345,12 @@ def validate(a: str | os.PathLike[str], b: str | os.PathLike[str], *, device: st
     only_a = tuple(m for c in data["components"] for m in c["only_in_a"]) + tuple(data["components_only_in_a"])
     only_b = tuple(m for c in data["components"] for m in c["only_in_b"]) + tuple(data["components_only_in_b"])
     result = ValidateResult(data=data, a=data["a"], b=data["b"], ok=data["ok"], layers=tuple(data["layers"]),
-                            failed=tuple(layer["module"] for layer in data["layers"] if not layer["ok"]),
+                            failed=tuple(layer["module"] for layer in data["layers"] if not layer["ok"])
+                            + tuple(d["tensor"] for c in data["components"] for d in c["tensors"]["differ"]),
                             only_in_a=only_a, only_in_b=only_b)
     if check and not result.ok:
         if result.failed:
-            why = f"{len(result.failed)} of {len(result.layers)} layers differ (first: {result.failed[0]})"
+            why = f"{len(result.failed)} layers or tensors differ (first: {result.failed[0]})"
         elif only_a or only_b:
             why = f"on one side only: {', '.join((only_a + only_b)[:5])}"
         else:

@@ -304,6 +304,12 @@ def _validate_table(result: dict) -> str:
     lines = [tabulate(rows, headers=["module", "result", "max abs", "rel. error", "cosine", "worst channel",
                                      "own kernels"])]
     for c in result["components"]:
+        where = f" ({c['component']})" if len(result["components"]) > 1 else ""
+        t = c.get("tensors", {"compared": 0, "differ": []})
+        for d in t["differ"]:
+            lines.append(f"FAIL tensor {d['tensor']}{where} ({d['dtypes'][0]} vs {d['dtypes'][1]}): {d['problem']}")
+        lines.append(f"other tensors{where} (biases, norms, buffers...): {t['compared'] - len(t['differ'])}/"
+                     f"{t['compared']} identical or within their dtype change's rounding")
         for side in ("a", "b"):
             if c[f"only_in_{side}"]:
                 lines.append(f"only in {side.upper()} ({c['component']}): {', '.join(c[f'only_in_{side}'])}")
@@ -329,8 +335,12 @@ def _validate_table(result: dict) -> str:
         lines.append(f"warning: kernel cross-check could not run ({error}); those layers rest on qconv's decoding")
     failed = sum(not layer["ok"] for layer in result["layers"])
     sampled = sum(bool(layer.get("sampled")) for layer in result["layers"])
+    differ = sum(len(c.get("tensors", {}).get("differ", [])) for c in result["components"])
+    one_side = sum(len(c[f"only_in_{s}"]) for c in result["components"] for s in ("a", "b"))
     lines.append(f"{'OK' if result['ok'] else 'FAILED'}: {len(result['layers']) - failed}/{len(result['layers'])} "
-                 f"layers pass on {result['components'][0]['device'] if result['components'] else '-'}"
+                 f"layers pass" + (f", {differ} other tensors differ" if differ else "")
+                 + (f", {one_side} on one side only" if one_side else "")
+                 + f" on {result['components'][0]['device'] if result['components'] else '-'}"
                  + (f" ({sampled} large layers on sampled rows; --rows all checks every row)" if sampled else ""))
     return "\n".join(lines)
 

@@ -12,6 +12,8 @@ import numpy as np
 def outlier_activations(n: int, inp: int, seed: int) -> np.ndarray:
     """n activation rows of width inp: unit-scale normal, with inp/128 outlier columns scaled 8-20x
     (above LLM.int8's 6.0 threshold, as real LLM activations have)."""
+    if inp == 0:                             # a zero-size layer: rows of nothing
+        return np.zeros((n, 0), np.float32)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, inp)).astype(np.float32)
     outliers = rng.choice(inp, size=max(1, inp // 128), replace=False)

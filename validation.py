@@ -62,6 +62,7 @@ import numpy as np
 from .probes import import_bitsandbytes, outlier_activations, producer_imports
 from .errors import UsageError
 from .progress import report as report_progress
+from .validate_tensors import compare_plain_tensors, plain_tensors
 from .formats.checkpoint import Component, open_target
 from .formats.detect import Detection
 from .formats.ir import QuantTensor
@@ -713,10 +714,11 @@ def _highest_precision():
 def validate_components(ca: Component, cb: Component, *, samples: int = 32, seed: int = 0,
                         tol: float | None = None, device: str = "auto", rows: str = "all",
                         kernels: str = "sampled", tolerances: dict[str, float] | None = None,
-                        modules: set[str] | None = None) -> dict:
+                        modules: set[str] | None = None, shard_first: bool = False) -> dict:
     """One component pair. modules: compare only these layers (one task's shard of a larger job, see
     docs/validate-scaling.md); the kernel sample is still drawn over every layer in common, so the
-    shards' reports together are exactly the unsharded one."""
+    shards' reports together are exactly the unsharded one. The tensors that are not Linear weights are
+    compared when modules is None, or by the shard marked shard_first."""
     a, b = Side(ca), Side(cb)
     dev = _compute_device(device)
     common = sorted(set(a.entries) & set(b.entries), key=natural_key)
@@ -779,12 +781,17 @@ def validate_components(ca: Component, cb: Component, *, samples: int = 32, seed
     finally:
         kernel_pool.shutdown(wait=True, cancel_futures=True)
     layers = [results[name] for name in common]
+    # Every other tensor (biases, norms, buffers, ...): exactly, or within its dtype change's rounding
+    # (validate_tensors.py). Once per pair: a sharded job (modules given) leaves it to its first shard.
+    tensors = compare_plain_tensors(plain_tensors(ca, a.det, a.entries), plain_tensors(cb, b.det, b.entries)) \
+        if modules is None or shard_first else {"compared": 0, "differ": [], "only_in_a": [], "only_in_b": []}
     # Nothing compared proves nothing: a pair with no layer in common fails.
-    return {"component": ca.name, "ok": bool(layers) and all(r["ok"] for r in layers),
+    return {"component": ca.name, "ok": bool(layers) and all(r["ok"] for r in layers) and not tensors["differ"],
             "device": "cpu" if dev is None else str(dev), "rows": "all" if rows == "all" else "sampled",
             "kernels": _kernel_summary(layers, eligible, kernels, seed), "layers": layers,
-            "only_in_a": sorted(set(a.entries) - set(b.entries), key=natural_key),
-            "only_in_b": sorted(set(b.entries) - set(a.entries), key=natural_key)}
+            "tensors": {"compared": tensors["compared"], "differ": tensors["differ"]},
+            "only_in_a": sorted(set(a.entries) - set(b.entries), key=natural_key) + tensors["only_in_a"],
+            "only_in_b": sorted(set(b.entries) - set(a.entries), key=natural_key) + tensors["only_in_b"]}
 
 
 def _on_device(arrays, dev) -> tuple:

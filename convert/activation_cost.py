@@ -71,6 +71,8 @@ def activation_cost(src: Component, det: Detection, modules: list[QuantModule], 
     layers = []
     kernels = set()
     for m in modules:
+        if m.out_features == 0 or m.in_features == 0:      # a zero-size layer computes nothing to compare
+            continue
         target = read_module(out, out_det, written[m.name], out_dtype)
         x = outlier_activations(SAMPLES, m.in_features, seed)
         x64 = x.astype(np.float64)

@@ -29,7 +29,7 @@ from ..errors import CorruptCheckpoint, UnsupportedFormat, UsageError
 from ..formats import gptq_codec
 from ..formats.gptq import block_prefix
 from ..formats.checkpoint import Component
-from ..formats.registry import ModuleContext, WriteContext, family as registered_family, target as registered_target, targets as registered_targets
+from ..formats.registry import AUTO_ROUND_AWQ_TARGET, ModuleContext, WriteContext, family as registered_family, target as registered_target, targets as registered_targets
 from ..formats.detect import METHOD_NAMES, Detection
 from ..formats.bnb_codec import STORAGE_CODES, scb_from_scales as _scb_from_scales  # noqa: F401 (tests import it here)
 from ..formats.ir import QuantSpec, QuantTensor
@@ -143,6 +143,35 @@ def _read_float(comp: Component, m: QuantModule) -> FloatWeight:
 def _refuse(m: QuantModule, comp: Component, why: str) -> UnsupportedFormat:
     first = comp.tensors.get(m.weight_tensors[0]) if m.weight_tensors else None
     return UnsupportedFormat(why, file=first.file if first else None, tensor=m.name)
+
+
+_SCALE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
+
+
+def _check_scales(m: QuantModule, comp: Component, source, qt: QuantTensor, spec: QuantSpec, opts: Options,
+                  lossy: str | None) -> None:
+    """A narrowing of the scales that changes what a module computes is refused before its bytes are
+    written (and so before DST exists): a finite scale that becomes infinite in the stored dtype (a bf16
+    scale of 3e38 as float16), or, where codes are kept, a non-zero scale flushed to 0 (a bf16 scale of
+    3e-9 as float16), which zeroes its whole group. Never an exit 0 with a different model."""
+    scales = np.asarray(qt.scales, np.float32)
+    stored = _SCALE_NAMES.get(getattr(spec, "scale_dtype", None) or "", "the target's dtype")
+    way_out = ("; auto_round:auto_awq (what --to auto-round writes for this source) stores float16 scales only: "
+               "use --to gptq-v2, or --to compressed-tensors --scale-dtype bfloat16") \
+        if opts.to == AUTO_ROUND_AWQ_TARGET else "; use --scale-dtype bfloat16 or float32"
+    bad = ~np.isfinite(scales)
+    if bad.any():
+        finite_source = getattr(source, "scales", None)
+        largest = float(np.abs(finite_source[np.isfinite(finite_source)]).max(initial=0.0)) \
+            if finite_source is not None else float("nan")
+        raise _refuse(m, comp, f"{int(bad.sum())} scales do not fit {stored} (they would be stored as infinity; "
+                               f"the largest is {largest:.3g}){way_out}")
+    if not lossy and getattr(source, "scales", None) is not None and source.scales.shape == scales.shape:
+        flushed = (scales == 0) & (np.asarray(source.scales) != 0)
+        if flushed.any():
+            smallest = float(np.abs(np.asarray(source.scales, np.float64)[flushed]).min())
+            raise _refuse(m, comp, f"{int(flushed.sum())} non-zero scales (the smallest {smallest:.3g}) become 0 "
+                                   f"in {stored}, which would zero their groups{way_out}")
 
 
 def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
@@ -354,6 +383,7 @@ def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, c
             st.requantized(m.name, lossy, source.spec.name, spec.name, err)
         else:
             qt = _retarget(source, spec, st, tgt, settings)
+        _check_scales(m, comp, source, qt, spec, opts, lossy)
         st.modules += 1
         if spec.zero_encoding == "v1" and qt.zeros is not None and bool((qt.zeros == 0).any()):
             st.v1_zero.append(m.name)
@@ -515,8 +545,11 @@ def check_results(written, *, samples: int = 32, seed: int = 0) -> list[dict]:
         results.append(result)
         failed = [r for r in result["layers"] if not r["ok"]]
         missing = result["only_in_a"] or result["only_in_b"]
-        if failed or missing or not result["layers"]:      # nothing compared proves nothing
-            if failed:
+        differ = result["tensors"]["differ"]
+        if failed or missing or differ or not result["layers"]:      # nothing compared proves nothing
+            if differ:
+                detail = f"{len(differ)} other tensors differ (first: {differ[0]['tensor']}, {differ[0]['problem']})"
+            elif failed:
                 first = failed[0]
                 why = first["problem"] if "problem" in first else f"relative error {first['rel_frobenius']:.3g}"
                 detail = f"{len(failed)} layers differ (first: {first['module']}, {why})"

@@ -10,20 +10,43 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
+from ..errors import CorruptCheckpoint, UnsupportedFormat
 from ..formats.checkpoint import Component
 from ..formats.detect import Detection
 from ..formats.layout import QuantModule, natural_key
 from ..formats.reader import model_dtype, read_module, require_decodable
-from ..formats.tensor_io import FLOAT_CODES, encode_float
+from ..formats.tensor_io import FLOAT_CODES, all_finite, encode_float
 from .engine import DEFAULT_MAX_SHARD, OutTensor, ordered, passthrough, run, write_component
 
 
+_DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
+
+
 def _dequantized(comp: Component, det: Detection, m: QuantModule, code: str, src_dtype: str) -> OutTensor:
+    """A quantized module's float weight, slab by slab. A weight that is not finite is refused, never
+    written: codes times scales beyond float32 (a source whose finite scales are absurd: corrupt), or
+    beyond the output dtype's range (float16's 65504: a wider dtype holds it)."""
+    first = comp.tensors.get(m.weight_tensors[0]) if m.weight_tensors else None
+    where = {"file": first.file if first else None, "tensor": m.name}
+
+    def rows_of(qt, r0, r1):
+        with np.errstate(over="ignore", invalid="ignore"):
+            w = qt.dequantize_rows(r0, r1)
+        if not np.isfinite(w).all():
+            raise CorruptCheckpoint(f"its codes times its scales are not finite in float32 (largest scale "
+                                    f"{float(np.abs(qt.scales).max()):.3g}); no float folder can hold it", **where)
+        out = encode_float(w, code)
+        if not all_finite(out, code):
+            raise UnsupportedFormat(f"its weights exceed {_DTYPE_NAMES[code]}'s range (largest "
+                                    f"{float(np.abs(w).max()):.3g}); write bfloat16 or float32 instead", **where)
+        return out
+
     def chunks():
         qt = read_module(comp, det, m, src_dtype)
         rows, n = qt.slab_rows(), m.out_features
-        yield from ordered(lambda r0: encode_float(qt.dequantize_rows(r0, min(r0 + rows, n)), code),
-                           range(0, n, rows))
+        yield from ordered(lambda r0: rows_of(qt, r0, min(r0 + rows, n)), range(0, n, rows))
     return OutTensor(m.name + ".weight", code, (m.out_features, m.in_features), chunks)
 
 

@@ -39,8 +39,9 @@ class LayerError:
 
 def _grouped(w: np.ndarray, group_size: int):
     out, inp = w.shape
-    gs = inp if group_size <= 0 else group_size
-    groups = -(-inp // gs)
+    # one group per row (group_size <= 0) even for a row of no inputs, whose scale is then any scale
+    gs = max(1, inp) if group_size <= 0 else group_size
+    groups = 1 if group_size <= 0 else -(-inp // gs)
     padded = np.zeros((out, groups * gs), np.float32)
     padded[:, :inp] = w
     mask = np.zeros(groups * gs, np.float32)
@@ -104,7 +105,7 @@ def quantize(w: np.ndarray, bits: int, group_size: int, sym: bool, scale_dtype: 
             best_s = np.where(better, s, best_s)
     q = np.clip(np.round(wg / best_s[:, :, None]) + best_z[:, :, None], 0, qmax)
     out, inp = w.shape
-    codes = q.reshape(out, -1)[:, :inp].astype(np.uint8)
+    codes = q.reshape(out, wg.shape[1] * wg.shape[2])[:, :inp].astype(np.uint8)
     spec = QuantSpec("int", bits, -1 if group_size <= 0 else gs, sym, scale_dtype=scale_dtype)
     return QuantTensor(spec, (out, inp), dtype, codes=codes, scales=best_s.astype(np.float32),
                        zeros=best_z.astype(np.uint8))

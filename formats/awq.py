@@ -248,7 +248,7 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
             problems.append(f"qzeros has shape {list(qzeros.shape)}, expected [in/group_size, out/8]")
 
         group_size = None
-        if groups == 0 or (groups and inp and inp % groups):
+        if (groups == 0 and inp) or (groups and inp and inp % groups):
             problems.append(f"{inp} input channels cannot be split into the {groups} groups scales has")
         elif groups:
             shape_gs = -1 if groups == 1 else inp // groups

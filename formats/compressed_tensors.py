@@ -253,6 +253,19 @@ def _prefixes(tensors: Mapping[str, TensorInfo]) -> list[str]:
     return sorted(found, key=natural_key)
 
 
+def _transform_groups(qc: Mapping | None) -> list[str]:
+    """The transform schemes a config applies (compressed-tensors' TransformConfig: config_groups of
+    TransformScheme, e.g. {"type": "hadamard", "apply": [...]}, their online parts stored as
+    `<module>.<group>_<location>.weight` tensors): "u (hadamard)", ...; [] when there are none."""
+    tc = qc.get("transform_config") if isinstance(qc, Mapping) else None
+    if not tc:
+        return []
+    groups = tc.get("config_groups") if isinstance(tc, Mapping) else None
+    if isinstance(groups, Mapping):
+        return [f"{name} ({g.get('type', '?') if isinstance(g, Mapping) else '?'})" for name, g in groups.items()]
+    return [repr(tc)[:60]]                        # not the documented shape: still a transform, refused
+
+
 def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[QuantModule]:
     """Every module that holds compressed-tensors quantization tensors (``weight_packed``,
     ``weight_scale`` or an integer ``weight`` matrix), described from headers and config alone.
@@ -293,6 +306,12 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
             p.corrupt(None, f"config group {group_name!r} quantizes no weights (weights: null), but "
                             f"the module holds quantized weight tensors")
 
+        transforms = _transform_groups(qc)
+        if transforms:
+            p.unsupported(None, f"the config's transform_config applies {', '.join(transforms)} (rotations "
+                                f"llm-compressor's SpinQuant / QuIP transforms fuse into the weights and apply "
+                                f"to activations at run time); qconv does not apply them, so anything it "
+                                f"wrote would compute something else")
         status = qc.get("quantization_status")
         if qc and status not in (None, "compressed"):
             p.unsupported(None, f"quantization_status is {status!r}: the weights are stored "

@@ -59,6 +59,10 @@ def find_modules(tensors: Mapping[str, TensorInfo], fallback_bits=None) -> list[
             bits = qzeros.shape[1] * word // out
             if groups is not None and qzeros.shape[0] != groups:
                 problems.append(f"qzeros has {qzeros.shape[0]} groups but scales has {groups}")
+        elif len(qzeros.shape) == 2 and not out and qzeros.shape[1] == 0 and scales is not None:
+            # zero output channels: the shapes tell no bit width (the config does, below)
+            if groups is not None and qzeros.shape[0] != groups:
+                problems.append(f"qzeros has {qzeros.shape[0]} groups but scales has {groups}")
         else:
             problems.append(f"qzeros shape {list(qzeros.shape)} does not fit {out} output channels")
         if bits is None and fallback_bits is not None:

@@ -92,6 +92,8 @@ class QuantTensor:
         """Rows r0:r1 of the float32 weight, in the producer's order of operations."""
         inp = self.shape[1]
         rows = r1 - r0
+        if rows <= 0 or inp == 0:                   # a zero-size weight (its group size may be unknown)
+            return np.zeros((max(rows, 0), inp), np.float32)
         if self.spec.scheme == "int":
             w = self.codes[r0:r1].astype(np.float32)            # q - z is exact in float32
             z = self.zeros[r0:r1].astype(np.float32)

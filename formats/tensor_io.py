@@ -118,3 +118,10 @@ def convert_float(values: np.ndarray, src: str, dst: str) -> np.ndarray:
 def encode_float(x32: np.ndarray, code: str) -> np.ndarray:
     """float32 values -> the stored representation of ``code`` (F16, BF16 bits, or F32)."""
     return convert_float(np.ascontiguousarray(x32, dtype=np.float32), "F32", code)
+
+
+def all_finite(stored: np.ndarray, code: str) -> bool:
+    """Whether every value of a stored float array (F16, F32, or BF16 as uint16 bits) is finite."""
+    if code == "BF16":
+        return not bool(((stored.view(np.uint16) & 0x7F80) == 0x7F80).any())
+    return bool(np.isfinite(stored).all())

@@ -5,6 +5,7 @@ and compressed-tensors' own compressors."""
 import copy
 import functools
 import json
+import shutil
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ from qconv.formats.ir import QuantSpec, QuantTensor
 from qconv.formats.safetensors_header import read_header
 from qconv.formats.tensor_io import read_array
 
-from conftest import CHECKPOINTS
+from conftest import CHECKPOINTS, copy_checkpoint, run_qconv
 
 # fixtures/checkpoints/README.md: llm-compressor 0.14.0.1 + compressed-tensors 0.19.0.
 CT_FIXTURES = ["llama-ct-mixed", "llama-ct-w3a16", "llama-ct-w4a16", "llama-ct-w4a16-asym",
@@ -536,3 +537,40 @@ def test_act_order_g_idx_of_older_releases(tmp_path):
     assert np.array_equal(qt.dequantize().astype(np.float16).view(np.uint16), want.view(np.uint16))
     for leaf, (dtype, values) in ct_codec.encode(qt).items():
         assert values.tobytes() == read_array(tensors[f"{module}.{leaf}"]).tobytes(), leaf
+
+
+QUIP_TRANSFORMS = {"config_groups": {
+    "v": {"type": "random-hadamard", "randomize": True, "requires_grad": False, "head_dim": None,
+          "apply": [{"targets": ["Linear"], "location": "input", "ignore": ["lm_head"], "inverse": False},
+                    {"targets": ["Linear"], "location": "weight_input", "ignore": ["lm_head"], "inverse": True}]},
+    "u": {"type": "hadamard", "randomize": False, "requires_grad": False, "head_dim": None,
+          "apply": [{"targets": ["Linear"], "location": "weight_output", "ignore": ["lm_head"], "inverse": False},
+                    {"targets": ["Linear"], "location": "output", "ignore": ["lm_head"], "inverse": True}]}}}
+
+
+@pytest.mark.parametrize("transforms, refused", [(QUIP_TRANSFORMS, True), ({}, False), (None, False),
+                                                 ({"config_groups": {}}, False)])
+def test_transform_config_is_refused_not_dropped(tmp_path, transforms, refused):
+    """compressed-tensors' transform_config (llm-compressor's QuIP / SpinQuant Hadamard rotations, as
+    its QUIP template writes them): the rotations are fused into the stored weights and applied to
+    activations at run time (their online matrices stored as `<module>.<group>_input.weight`), so the
+    codes alone are another model. inspect warns (--strict exits 1); every other verb refuses (exit 5)
+    and writes nothing. An empty transform_config, as qconv writes, is no transform."""
+    src = copy_checkpoint("llama-ct-w4a16", tmp_path / "work")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"]["transform_config"] = transforms
+    (src / "config.json").write_text(json.dumps(config))
+    strict = run_qconv("inspect", "--strict", src)
+    assert strict.returncode == (1 if refused else 0), strict.stderr
+    assert ("transform_config applies v (random-hadamard), u (hadamard)" in strict.stdout) == refused
+    for args in (["dequantize", src, tmp_path / "out"], ["convert", src, tmp_path / "out", "--to", "gptq"],
+                 ["validate", src, src]):
+        proc = run_qconv(*args)
+        if refused:
+            assert proc.returncode == 5 and len(proc.stderr.splitlines()) == 1, proc.stderr
+            assert "transform_config" in proc.stderr and "compute something else" in proc.stderr
+            assert not (tmp_path / "out").exists()
+        else:
+            assert proc.returncode == 0, proc.stderr
+            if args[0] != "validate":
+                shutil.rmtree(tmp_path / "out")

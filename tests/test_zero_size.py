@@ -1,0 +1,44 @@
+"""Zero-size quantized modules are carried (issue 20, item 5): a compressed-tensors q_proj with
+weight_shape [256, 0] or [0, 256] converts to every target, validates, reads back and dequantizes to a
+weight of that shape; none exits 70 (a crash) or 4 (qconv refusing what it wrote itself)."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import copy_checkpoint, run_qconv
+
+Q = "model.layers.0.self_attn.q_proj"
+TARGETS = ["gptq", "gptq-v2", "auto-round", "awq", "bnb8", "bnb4-nf4", "bnb4-fp4", "compressed-tensors",
+           "compressed-tensors-w8a8", "float16", "bfloat16", "float32"]
+
+
+@pytest.fixture(scope="module", params=[(256, 0), (0, 256)], ids=["in0", "out0"])
+def zero_size(request, tmp_path_factory):
+    out, inp = request.param
+    src = copy_checkpoint("llama-ct-w4a16", tmp_path_factory.mktemp("zero"))
+    tensors = load_file(src / "model.safetensors")
+    tensors[Q + ".weight_packed"] = torch.zeros((out, inp // 8), dtype=torch.int32)
+    tensors[Q + ".weight_scale"] = torch.zeros((out, inp // 128), dtype=torch.float16)
+    tensors[Q + ".weight_shape"] = torch.tensor([out, inp])
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    return src, (out, inp)
+
+
+@pytest.mark.parametrize("to", TARGETS)
+def test_zero_size_modules_convert_validate_and_read_back(tmp_path, zero_size, to):
+    src, shape = zero_size
+    out = tmp_path / "out"
+    proc = run_qconv("convert", src, out, "--to", to, "--validate")
+    assert proc.returncode == 0, proc.stderr
+    run_qconv("inspect", "--strict", out, check=0)
+    run_qconv("dequantize", "--dtype", "float32", out, tmp_path / "float", check=0)
+    weight = load_file(tmp_path / "float" / "model.safetensors")[Q + ".weight"]
+    assert tuple(weight.shape) == shape and weight.dtype == torch.float32
+
+
+def test_zero_size_source_validates_and_dequantizes(tmp_path, zero_size):
+    src, shape = zero_size
+    run_qconv("validate", src, src, check=0)
+    run_qconv("dequantize", src, tmp_path / "float", check=0)
+    assert tuple(load_file(tmp_path / "float" / "model.safetensors")[Q + ".weight"].shape) == shape
