@@ -37,7 +37,7 @@ from ..formats.layout import QuantModule, examples, natural_key
 from ..formats.reader import model_dtype, read_module, require_decodable
 from ..formats.safetensors_header import DTYPES, FLOAT_DTYPES
 from ..formats.tensor_io import encode_float, read_array, to_float32
-from .dequantize import dequantize_component
+from .dequantize import dequantize_component, finite_rows
 from .engine import DEFAULT_MAX_SHARD, OutTensor, passthrough, run, write_component
 from .requantize import requantize
 
@@ -143,6 +143,14 @@ def _read_float(comp: Component, m: QuantModule) -> FloatWeight:
 def _refuse(m: QuantModule, comp: Component, why: str) -> UnsupportedFormat:
     first = comp.tensors.get(m.weight_tensors[0]) if m.weight_tensors else None
     return UnsupportedFormat(why, file=first.file if first else None, tensor=m.name)
+
+
+def _exact_weights(comp: Component, m: QuantModule, source) -> np.ndarray:
+    """The source module's exact float32 weight, which a lossy path requantizes: refused where it is not
+    finite (a float source's NaN was refused when read; a quantized one's here, dequantize.finite_rows)."""
+    if isinstance(source, FloatWeight):
+        return source.values
+    return finite_rows(comp, m, source, 0, m.out_features)
 
 
 _SCALE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
@@ -373,11 +381,11 @@ def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, c
     def encoded(st: Stats, settings: dict):
         source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
         if lossy and tgt.requantize is not None:        # the target's own quantizer (code books)
-            w = source.dequantize()
+            w = _exact_weights(comp, m, source)
             qt, rtn = tgt.requantize(source, w, spec, settings)
             st.requantized(m.name, lossy, source.spec.name, spec.name, _layer_error(w, qt, rtn))
         elif lossy:
-            qt, err = requantize(source.dequantize(), spec.bits, spec.group_size, spec.symmetric,
+            qt, err = requantize(_exact_weights(comp, m, source), spec.bits, spec.group_size, spec.symmetric,
                                  spec.scale_dtype, source.dtype)
             qt = replace(qt, spec=spec) if tgt.retarget is None else tgt.retarget(qt, spec, settings)[0]
             st.requantized(m.name, lossy, source.spec.name, spec.name, err)
@@ -434,13 +442,18 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
     specs: dict[str, QuantSpec] = {}
     outputs: dict[str, OutTensor] = {}
     src_cfg = gptq_codec.parse_config(det.qc) if det.qc and det.cfg_method in ("gptq", "auto-round") else {}
-    desc_act = bool(src_cfg.get("desc_act")) and opts.to in PACKED_TARGETS and registered_target(opts.to).caps.act_order
     source_act_order = bool(src_cfg.get("desc_act"))
+    # A module is act-order where its g_idx permutes the groups: GPTQ always stores g_idx and says so with
+    # desc_act; a format that stores g_idx only for act-order (compressed-tensors' weight_g_idx) says so
+    # per module (details["act_order"]).
+    act_orders = {m.name: m.details.get("act_order", source_act_order and m.details.get("has_g_idx", False))
+                  for m in modules}
+    desc_act = any(act_orders.values()) and opts.to in PACKED_TARGETS and registered_target(opts.to).caps.act_order
     act_order_kept, lossy_of, settings = [], {}, {}
     planned = {}
     for m in modules:
         src_spec = _source_spec(comp, det, m, src_dtype)
-        act_order = source_act_order and m.details.get("has_g_idx", False)
+        act_order = act_orders[m.name]
         planned[m.name] = (src_spec, act_order, *_target_spec(m, src_spec, opts, comp, act_order))
     if opts.to in PACKED_TARGETS and registered_target(opts.to).caps.one_group_size:
         planned = _one_group_size(comp, modules, planned, opts)

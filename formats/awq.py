@@ -263,6 +263,10 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
             elif cfg_gs == -1 and groups != 1:
                 problems.append(f"the config's group_size -1 means one group, but scales has {groups}")
                 group_size = shape_gs
+            elif cfg_gs is not None and cfg_gs != -1:      # 0, a negative number, a string: not a size
+                problems.append(f"the config's group_size {cfg_gs!r} is not a group size (a positive number, "
+                                f"or -1 for one group)")
+                group_size = shape_gs
             else:
                 group_size = shape_gs
 

@@ -115,6 +115,8 @@ class Component:
     index_file: Path | None = None
     warnings: tuple[str, ...] = ()
     root: SourceRoot | None = None           # where its files may live (None: a single file)
+    # tensors stored in a second shard besides the one the index maps them to: (name, mapped, other)
+    duplicates: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def bytes_on_disk(self) -> int:
@@ -289,6 +291,13 @@ def open_component(folder: Path, name: str, root: SourceRoot | None = None) -> C
                 raise CorruptCheckpoint(f"the index maps it to {shard_of[t].name}, which has no such "
                                         f"tensor", file=index_path, tensor=t)
             tensors[t] = info
+        duplicates = tuple(sorted((n, shard_of[n].name, f.name) for f in files for n in headers[f].tensors
+                                  if n in shard_of and shard_of[n] != f))
+        if duplicates:
+            n, mapped, other = duplicates[0]
+            warnings.append(f"{len(duplicates)} tensors are stored in two shards, e.g. {n} in {mapped} (the "
+                            f"index's) and {other}: loaders that read the index get one, loaders that read "
+                            f"every shard the other; writing verbs refuse it")
         unmapped = sorted(n for f in files for n in headers[f].tensors if n not in weight_map)
         if unmapped:
             warnings.append(f"{len(unmapped)} tensors are in the shards but not in "
@@ -298,6 +307,7 @@ def open_component(folder: Path, name: str, root: SourceRoot | None = None) -> C
             warnings.append(f"{len(stray)} safetensors files are not named by {index_path.name} "
                             f"(loaders ignore them): {', '.join(p.name for p in stray[:3])}")
     else:
+        duplicates = ()
         files = _weight_files(folder, root)
         if not files:
             if _pickle_files(folder):
@@ -314,4 +324,4 @@ def open_component(folder: Path, name: str, root: SourceRoot | None = None) -> C
                 tensors[t] = info
     return Component(name=name, path=folder, files=tuple(files), headers=headers, tensors=tensors,
                      config=config, side_configs=side, index_file=index_path,
-                     warnings=tuple(warnings), root=root)
+                     warnings=tuple(warnings), root=root, duplicates=duplicates)

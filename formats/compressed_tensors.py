@@ -39,12 +39,13 @@ a target named by two groups belongs to the later one.
 from __future__ import annotations
 
 import math
+import struct
 import re
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 from ..errors import CorruptCheckpoint, UnsupportedFormat
 from .layout import QuantModule, int_scheme, natural_key
-from .safetensors_header import DTYPES, TensorInfo
+from .safetensors_header import DTYPES, TensorInfo, read_small_tensors
 
 if TYPE_CHECKING:                    # numpy-backed; only read by attribute here
     from .ir import QuantSpec
@@ -266,6 +267,19 @@ def _transform_groups(qc: Mapping | None) -> list[str]:
     return [repr(tc)[:60]]                        # not the documented shape: still a transform, refused
 
 
+def _weight_shapes(tensors: Mapping[str, TensorInfo]) -> dict[str, tuple[int, int]]:
+    """The value of every well-formed `weight_shape` tensor (I64 [2], 16 bytes: read like bitsandbytes'
+    few-byte metadata, one open per file): a packed row of ceil(in*b/32) words pins in_features only to
+    a range when in*b is not a multiple of 32 (compressed-tensors pads each row), and this says which."""
+    infos = [i for n, i in tensors.items() if n.endswith(".weight_shape") and i.dtype == "I64"
+             and tuple(i.shape) == (2,)]
+    out = {}
+    for name, raw in read_small_tensors(infos, limit=16).items():
+        a, b = struct.unpack("<qq", raw)
+        out[name] = (a, b)
+    return out
+
+
 def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[QuantModule]:
     """Every module that holds compressed-tensors quantization tensors (``weight_packed``,
     ``weight_scale`` or an integer ``weight`` matrix), described from headers and config alone.
@@ -279,6 +293,7 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
     qc = qc or {}
     version = qc.get("version")
     modules = []
+    shapes = _weight_shapes(tensors)
     for prefix in _prefixes(tensors):
         p = _Problems()
         t = {leaf: tensors.get(f"{prefix}.{leaf}") for leaf in WEIGHT_LEAVES + STATE_LEAVES}
@@ -424,6 +439,9 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
                                      f"{'..'.join(map(str, sorted(set(group_range))))} input channels")
             if in_range is not None:
                 inp = in_range[1]
+                told = shapes.get(tname["weight_shape"])
+                if told is not None and told[0] == out and in_range[0] <= told[1] <= in_range[1]:
+                    inp = told[1]                    # weight_shape, where it agrees with the headers
             if shape_t is None:
                 p.corrupt(tname["weight_shape"], "pack-quantized module has no weight_shape tensor")
             elif shape_t.dtype not in _INT_DTYPES or shape_t.shape != (2,):
@@ -472,6 +490,7 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
                    "actorder": actorder,
                    "layout": layout, "in_range": in_range, "version": version,
                    "has_g_idx": g_idx is not None,
+                   "act_order": g_idx is not None,      # weight_g_idx is stored for act-order only
                    "problem_kinds": tuple(k for k, _, _ in ordered),
                    "problem_tensors": tuple(tn for _, tn, _ in ordered)}
         modules.append(QuantModule(prefix, "ct", int_scheme(bits or 0), bits or 0, out or 0, inp,

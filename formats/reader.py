@@ -22,6 +22,12 @@ def require_decodable(comp: Component) -> Detection:
     when each module is read."""
     det = detect(comp)
     tensors = comp.tensors
+    if comp.duplicates:
+        name, mapped, other = comp.duplicates[0]
+        raise CorruptCheckpoint(f"is stored in both {mapped} (where the index maps it) and {other}"
+                                + (f", as are {len(comp.duplicates) - 1} more tensors" if len(comp.duplicates) > 1 else "")
+                                + "; loaders disagree on which is the model's, so qconv will not pick one",
+                                file=comp.index_file, tensor=name)
     if det.cfg_method not in DECODED_METHODS:
         raise UnsupportedFormat(f"quant_method {det.cfg_method!r} is not a method qconv decodes (it reads "
                                 f"{', '.join(f.method for f in families())} and auto-round); refusing to "

@@ -21,7 +21,7 @@ from qconv.formats.ir import QuantSpec, QuantTensor
 from qconv.formats.safetensors_header import read_header
 from qconv.formats.tensor_io import read_array
 
-from conftest import CHECKPOINTS
+from conftest import CHECKPOINTS, copy_checkpoint, run_qconv
 
 FIXTURES = ("llama-awq-w4g128", "llama-awq-w4g64-sym")
 # fixtures/checkpoints/README.md: GPTQModel's AWQ kernel on the identity rounds, and differs from
@@ -398,3 +398,19 @@ def test_awq_module_imports_without_numpy():
     code = "import sys, qconv.formats.awq; assert 'numpy' not in sys.modules, 'numpy imported'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("group_size", [0, -3, "128", True, 64, 3, -1])
+def test_a_group_size_the_scales_contradict_or_that_is_no_size_is_refused(tmp_path, group_size):
+    """llama-awq-w4g128's config says group_size: a lie or a non-size (0 included) is refused alike:
+    inspect warns, --strict exits 1, dequantize exits 4 naming it; the truth (128) passes."""
+    src = copy_checkpoint("llama-awq-w4g128", tmp_path / "work")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"]["group_size"] = group_size
+    (src / "config.json").write_text(json.dumps(config))
+    assert run_qconv("inspect", "--strict", src).returncode == 1
+    proc = run_qconv("dequantize", src, tmp_path / "out")
+    assert proc.returncode == 4 and "group_size" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+    config["quantization_config"]["group_size"] = 128
+    (src / "config.json").write_text(json.dumps(config))
+    run_qconv("inspect", "--strict", src, check=0)

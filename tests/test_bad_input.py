@@ -310,3 +310,28 @@ def test_bad_input_gives_one_line_and_exit_code(tmp_path, case, as_json):
 def test_usage_error_exit_2():
     proc = run_qconv("inspect")
     assert proc.returncode == 2 and "Missing argument 'PATH'" in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["llama-fp16", "llama-ct-w4a16", "llama-awq-w4g128"])
+def test_a_tensor_stored_in_two_shards_is_warned_and_refused(tmp_path, name):
+    """A tensor in two shards, the index naming one: loaders that read the index and loaders that read
+    every shard load different models. inspect warns (--strict exits 1); every writing verb and validate
+    refuse (exit 4) naming the tensor and both shards, and write nothing."""
+    src = _sharded(tmp_path / "work", name)
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    norm = "model.layers.0.input_layernorm.weight"
+    mapped = index[norm]
+    other = next(s for s in set(index.values()) if s != mapped)
+    tensors = load_file(src / other)
+    tensors[norm] = load_file(src / mapped)[norm] * 2
+    save_file(tensors, src / other, metadata={"format": "pt"})
+    before = _digest(src)
+    proc = run_qconv("inspect", "--strict", src)
+    assert proc.returncode == 1 and f"{norm} in {mapped} (the index's) and {other}" in proc.stdout
+    for args in (["dequantize", src, tmp_path / "out"], ["convert", src, tmp_path / "out", "--to", "gptq"],
+                 ["validate", src, src]):
+        proc = run_qconv(*args)
+        assert proc.returncode == CORRUPT and len(proc.stderr.splitlines()) == 1, proc.stderr
+        assert f"tensor '{norm}': is stored in both {mapped}" in proc.stderr and other in proc.stderr
+        assert not (tmp_path / "out").exists()
+    assert _digest(src) == before

@@ -574,3 +574,47 @@ def test_transform_config_is_refused_not_dropped(tmp_path, transforms, refused):
             assert proc.returncode == 0, proc.stderr
             if args[0] != "validate":
                 shutil.rmtree(tmp_path / "out")
+
+
+@pytest.fixture
+def ct_act_order(tmp_path):
+    """llama-ct-w4a16 with q_proj rewritten as an act-order module (weight_g_idx, a permutation of its
+    2 groups of 128 over the inputs; actorder "group" in a config group of its own), codes unchanged."""
+    import torch
+
+    src = copy_checkpoint("llama-ct-w4a16", tmp_path / "work")
+    module = "model.layers.0.self_attn.q_proj"
+    tensors = load_file(src / "model.safetensors")
+    g_idx = np.random.default_rng(3).permutation(np.arange(256) // 128).astype(np.int32)
+    tensors[f"{module}.weight_g_idx"] = g_idx
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    qc = config["quantization_config"]
+    group = json.loads(json.dumps(qc["config_groups"]["group_0"]))
+    group["targets"], group["weights"]["actorder"] = [module], "group"
+    qc["config_groups"] = {"act": group, **qc["config_groups"]}
+    (src / "config.json").write_text(json.dumps(config))
+    return src, module, g_idx
+
+
+@pytest.mark.parametrize("to", ["gptq", "gptq-v2"])
+def test_ct_act_order_is_kept_by_gptq(tmp_path, ct_act_order, to):
+    """GPTQ stores g_idx: compressed-tensors' act-order module keeps its codes and its g_idx there
+    (desc_act true), and validates as the same computation."""
+    src, module, g_idx = ct_act_order
+    proc = run_qconv("convert", "--json", src, tmp_path / "out", "--to", to, "--validate")
+    assert proc.returncode == 0, proc.stderr
+    (comp,) = json.loads(proc.stdout)["components"]
+    assert comp["requantized"] == 0 and comp["codes_kept"] == comp["modules"]
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    assert np.array_equal(out[f"{module}.g_idx"], g_idx)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["desc_act"] is True
+
+
+@pytest.mark.parametrize("to", ["awq", "auto-round", "bnb8"])
+def test_ct_act_order_is_requantized_where_g_idx_cannot_be_stored(tmp_path, ct_act_order, to):
+    src, module, _ = ct_act_order
+    proc = run_qconv("convert", "--json", src, tmp_path / "out", "--to", to, "--validate")
+    assert proc.returncode == 0, proc.stderr
+    (comp,) = json.loads(proc.stdout)["components"]
+    assert module in [r["module"] for r in comp["layers"]]

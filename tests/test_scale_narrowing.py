@@ -72,3 +72,18 @@ def test_weights_beyond_float16_are_refused_and_bfloat16_holds_them(tmp_path, aw
 def test_weights_beyond_float32_are_refused(tmp_path, awq_with, to):
     src = awq_with(3e38)
     _refused(tmp_path, src, 4, ["--to", to], "codes times its scales are not finite in float32")
+
+
+@pytest.mark.parametrize("to", ["bnb8", "bnb4-nf4", "compressed-tensors-w8a8"])
+def test_requantizing_weights_beyond_float32_is_refused_in_one_line(tmp_path, awq_with, to):
+    """No requantization of weights that are not finite, and no numpy warnings on stderr on the way."""
+    src = awq_with(3e38)
+    _refused(tmp_path, src, 4, ["--to", to], "codes times its scales are not finite in float32")
+
+
+def test_validate_fails_such_a_layer_without_warnings(tmp_path, awq_with):
+    src = awq_with(3e38)
+    proc = run_qconv("validate", src, src)
+    assert proc.returncode == 1 and proc.stderr == "", proc.stderr
+    (row,) = [line for line in proc.stdout.splitlines() if line.startswith(Q + " ")]
+    assert row.split()[1] == "FAIL", row
