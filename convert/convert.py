@@ -489,6 +489,7 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
             "max_scale_rel_error": stats.max_scale_rel_error,
             "max_rel_frobenius": max((r["rel_frobenius"] for r in layers), default=0.0),
             "sq_error_vs_rtn": round(sq / rtn, 4) if rtn else None, "layers": layers, **written,
+            "v1_zero_points": sorted(stats.v1_zero, key=natural_key),
             "warnings": list(det.warnings) + _v1_zero_warning(stats)}
 
 
@@ -550,6 +551,15 @@ def check_results(written, *, samples: int = 32, seed: int = 0) -> list[dict]:
 
     results = []
     for comp, out, report in written:
+        if report.get("v1_zero_points"):
+            # Stored as 2^b - 1, what GPTQModel and auto-round's kernel (transformers' CPU path) add 1 to
+            # word-wise, carrying into the next field: the same file is two models to its readers.
+            names = report["v1_zero_points"]
+            raise ValidationFailed(f"{len(names)} modules have zero points of 0, which GPTQ v1 (stored z-1) "
+                                   f"writes as 2^bits-1: field-wise readers get 0 back, GPTQModel's and "
+                                   f"auto-round's word-wise decoding another value, so the result cannot be "
+                                   f"vouched for; --to gptq-v2 stores them exactly ({examples(names)})",
+                                   file=comp.files[0] if comp.files else comp.path)
         tolerances = validation_tolerances(report)
         if "to" not in report:                           # float target: the dequantized weights
             tolerances = None
@@ -564,7 +574,12 @@ def check_results(written, *, samples: int = 32, seed: int = 0) -> list[dict]:
                 detail = f"{len(differ)} other tensors differ (first: {differ[0]['tensor']}, {differ[0]['problem']})"
             elif failed:
                 first = failed[0]
-                why = first["problem"] if "problem" in first else f"relative error {first['rel_frobenius']:.3g}"
+                kernels = [k for k in first.get("kernels", {}).values() if k["ok"] is False]
+                why = (first["problem"] if "problem" in first else
+                       f"relative error {first['rel_frobenius']:.3g}" if not kernels or first.get("weights_over_bound")
+                       or first["rel_frobenius"] > 0 else
+                       f"{kernels[0]['kernel']}'s own kernel reads it differently: relative error "
+                       f"{kernels[0]['rel_frobenius']:.3g}")
                 detail = f"{len(failed)} layers differ (first: {first['module']}, {why})"
             else:
                 detail = (f"modules missing from the result: {', '.join(missing)}" if missing else

@@ -312,3 +312,30 @@ def test_a_zero_point_of_0_written_as_gptq_v1_is_named(tmp_path):
     proc = run_qconv("convert", "--json", tmp_path / "v2", tmp_path / "v2b", "--to", "gptq-v2", check=0)
     assert not any("zero points of 0" in w for w in _json.loads(proc.stdout)["components"][0]["warnings"])
     assert np.array_equal(_read_only_module(tmp_path / "v2b").zeros, _asym_module().zeros)
+
+
+@pytest.mark.parametrize("source", ["llama-ct-w4a16-asym", "llama-awq-w4g128"])
+def test_convert_validate_refuses_v1_zero_points_of_0_whatever_the_source(tmp_path, source):
+    """--to gptq --validate of a module with a zero point of 0 fails alike from every source (before,
+    a compressed-tensors source failed on auto-round's kernel with "relative error 0" and an AWQ one, whose
+    bf16 scales that kernel does not take, passed): the result is two models to GPTQ's readers, so it is
+    not vouched for; --to gptq-v2 is, and writes it exactly."""
+    from safetensors.torch import load_file as load_torch, save_file as save_torch
+
+    from conftest import copy_checkpoint, one_error, run_qconv
+
+    src = copy_checkpoint(source, tmp_path / "work")
+    tensors = load_torch(src / "model.safetensors")
+    q = "model.layers.0.self_attn.q_proj"
+    if source.startswith("llama-ct"):
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+        zp = unpack_from_int32(tensors[q + ".weight_zero_point"], 4, torch.Size([256, 2]), packed_dim=0)
+        zp[0, 0] = -8                                   # stored signed: unsigned zero point 0
+        tensors[q + ".weight_zero_point"] = pack_to_int32(zp, 4, packed_dim=0).contiguous()
+    else:
+        tensors[q + ".qzeros"][0, 0] &= ~0xF            # AWQ: the first nibble is output channel 0
+    save_torch(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    proc = run_qconv("convert", src, tmp_path / "v1", "--to", "gptq", "--validate")
+    one_error(proc, 1, str(src / "model.safetensors"), "1 modules have zero points of 0", "--to gptq-v2", q)
+    assert not (tmp_path / "v1").exists()
+    run_qconv("convert", src, tmp_path / "v2", "--to", "gptq-v2", "--validate", check=0)
