@@ -17,11 +17,13 @@ from ..formats.checkpoint import Component
 from ..formats.detect import Detection
 from ..formats.layout import QuantModule, natural_key
 from ..formats.reader import model_dtype, read_module, require_decodable
+from ..formats.registry import family
 from ..formats.tensor_io import FLOAT_CODES, all_finite, encode_float
 from .engine import DEFAULT_MAX_SHARD, OutTensor, ordered, passthrough, run, write_component
 
 
 _DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
+WINDOW_ELEMENTS = 1 << 24      # codes of a module read at once (validation.py reads windows of the same size)
 
 
 def _where(comp: Component, m: QuantModule) -> dict:
@@ -56,10 +58,24 @@ def _dequantized(comp: Component, det: Detection, m: QuantModule, code: str, src
         return out
 
     def chunks():
-        qt = read_module(comp, det, m, src_dtype)
-        rows, n = qt.slab_rows(), m.out_features
-        yield from ordered(lambda r0: rows_of(qt, r0, min(r0 + rows, n)), range(0, n, rows))
+        for w0, w1 in read_windows(m):
+            qt = read_module(comp, det, m, src_dtype, None if (w0, w1) == (0, m.out_features) else (w0, w1))
+            rows, n = qt.slab_rows(), w1 - w0
+            yield from ordered(lambda r0: rows_of(qt, r0, min(r0 + rows, n)), range(0, n, rows))
     return OutTensor(m.name + ".weight", code, (m.out_features, m.in_features), chunks)
+
+
+def read_windows(m: QuantModule) -> list[tuple[int, int]]:
+    """The output rows a module is read in: whole when it holds at most WINDOW_ELEMENTS codes, else
+    windows of about that many, on its family's row step (Family.read with rows), so memory is bounded
+    by a window of codes, not by the module (a 16384 x 16384 4-bit layer: one 256 MiB window would be
+    the whole; sixteen of 16 MiB are read instead)."""
+    out, inp = m.out_features, m.in_features
+    if out * inp <= WINDOW_ELEMENTS:
+        return [(0, out)]
+    step = family(m.family).row_step(m)
+    per = max(step, WINDOW_ELEMENTS // max(1, inp) // step * step)
+    return [(r0, min(out, r0 + per)) for r0 in range(0, out, per)]
 
 
 def plan_component(comp: Component, det: Detection, code: str) -> list[OutTensor]:
