@@ -580,8 +580,6 @@ def test_transform_config_is_refused_not_dropped(tmp_path, transforms, refused):
 def ct_act_order(tmp_path):
     """llama-ct-w4a16 with q_proj rewritten as an act-order module (weight_g_idx, a permutation of its
     2 groups of 128 over the inputs; actorder "group" in a config group of its own), codes unchanged."""
-    import torch
-
     src = copy_checkpoint("llama-ct-w4a16", tmp_path / "work")
     module = "model.layers.0.self_attn.q_proj"
     tensors = load_file(src / "model.safetensors")
