@@ -349,11 +349,7 @@ def test_plain_auto_round_runs_in_auto_rounds_torch_kernel(tmp_path):
         {k[: -len(".qweight")] for k in load_tensors(out) if k.endswith(".qweight")}
     _, ref = _logits_in_process(flat, ids)
     assert _rel(logits, ref) < KERNEL_TOLERANCE
-    shifted = tmp_path / "shifted"
-    shifted.mkdir()
-    for f in out.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            (shifted / f.name).write_bytes(f.read_bytes())
+    shifted = _folder_without_weights(out, tmp_path / "shifted")
     tensors = load_tensors(out)
     for k in [k for k in tensors if k.endswith(".qzeros")]:
         z = (_unpack_lsb(tensors[k], 8, 1) + 1).clamp(max=255)
@@ -414,12 +410,18 @@ print(json.dumps(report))
 """
 
 
-def _shift_awq_zeros(folder, dst):
-    """The same file with every AWQ zero point one higher (clamped at 15): a defect the kernels must show."""
+def _folder_without_weights(folder, dst):
+    """dst made with every file of folder but its safetensors shards (the caller writes those)."""
     dst.mkdir()
     for f in folder.iterdir():
         if f.is_file() and f.suffix != ".safetensors":
             (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _shift_awq_zeros(folder, dst):
+    """The same file with every AWQ zero point one higher (clamped at 15): a defect the kernels must show."""
+    _folder_without_weights(folder, dst)
     tensors = load_tensors(folder)
     for k in [k for k in tensors if k.endswith(".qzeros")]:
         z = (_unpack_awq(tensors[k]) + 1).clamp(max=15)
