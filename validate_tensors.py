@@ -12,7 +12,8 @@ tensor is accounted for:
   one cast to it, rounded to nearest even as torch (and qconv's writers) cast, bit for bit; so a widening
   must be exact, and a value that overflows the narrower dtype fails;
 * float16 and bfloat16 (neither holds the other): every value within |b - a| <= u |a| + f, u the
-  coarser unit roundoff (2^-8), f half its smallest subnormal; infinities and NaN must match;
+  coarser unit roundoff (2^-8), f half float16's smallest subnormal (2^-25, where float16 rounds
+  absolutely); infinities and NaN must match;
 * two integer dtypes: the same values; a float on one side and an integer on the other: a difference.
 
 Both sides are read a slab of rows at a time, so memory stays bounded whatever a tensor's size.
@@ -81,9 +82,11 @@ def _difference(ia: TensorInfo, ib: TensorInfo) -> str | None:
     offset = 0
     for sa, sb in zip(_slabs(ia), _slabs(ib)):
         flat_a, flat_b = sa.reshape(-1), sb.reshape(-1)
+        if flat_a.size == 0:                    # a zero-size tensor: nothing can differ
+            continue
         if ia.dtype == ib.dtype:
             differs = flat_a.view(np.uint8).reshape(flat_a.size, -1) != flat_b.view(np.uint8).reshape(flat_b.size, -1)
-            bad = np.flatnonzero(differs.any(axis=1)) if flat_a.size else np.empty(0, np.int64)
+            bad = np.flatnonzero(differs.any(axis=1))
             if bad.size:
                 i = int(bad[0])
                 va, vb = _shown(flat_a[i], ia.dtype), _shown(flat_b[i], ib.dtype)
@@ -96,8 +99,7 @@ def _difference(ia: TensorInfo, ib: TensorInfo) -> str | None:
             with np.errstate(over="ignore", invalid="ignore"):
                 rounded = np.ascontiguousarray(convert_float(sw, wide.dtype, narrow.dtype))
             bad = np.flatnonzero((rounded.view(np.uint8).reshape(rounded.size, -1)
-                                  != np.ascontiguousarray(sn).view(np.uint8).reshape(sn.size, -1)).any(axis=1)) \
-                if sn.size else np.empty(0, np.int64)
+                                  != np.ascontiguousarray(sn).view(np.uint8).reshape(sn.size, -1)).any(axis=1))
             bad = bad[~(_is_nan(rounded[bad], narrow.dtype) & _is_nan(sn[bad], narrow.dtype))]
             if bad.size:
                 i = int(bad[0])
@@ -108,7 +110,8 @@ def _difference(ia: TensorInfo, ib: TensorInfo) -> str | None:
             with np.errstate(invalid="ignore", over="ignore"):
                 finite = np.isfinite(x) & np.isfinite(y)
                 same_special = ~finite & ((x == y) | (np.isnan(x) & np.isnan(y)))
-                within = finite & (np.abs(y - x) <= UNIT_ROUNDOFF[coarse] * np.abs(x) + HALF_SUBNORMAL[coarse])
+                floor = max(HALF_SUBNORMAL[ia.dtype], HALF_SUBNORMAL[ib.dtype])     # float16's subnormals
+                within = finite & (np.abs(y - x) <= UNIT_ROUNDOFF[coarse] * np.abs(x) + floor)
             bad = np.flatnonzero(~(within | same_special))
             if bad.size:
                 i = int(bad[0])
