@@ -18,12 +18,11 @@ from ..formats.detect import Detection
 from ..formats.layout import QuantModule, natural_key
 from ..formats.reader import model_dtype, read_module, require_decodable
 from ..formats.registry import family
-from ..formats.tensor_io import FLOAT_CODES, all_finite, encode_float
+from ..formats.tensor_io import FLOAT_CODES, FLOAT_NAMES, all_finite, encode_float
+from ..validation import WINDOW_ELEMENTS   # codes of a module read at once, as validate reads them
 from .engine import DEFAULT_MAX_SHARD, OutTensor, ordered, passthrough, run, write_component
 
 
-_DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
-WINDOW_ELEMENTS = 1 << 24      # codes of a module read at once (validation.py reads windows of the same size)
 
 
 def _where(comp: Component, m: QuantModule) -> dict:
@@ -53,7 +52,7 @@ def _dequantized(comp: Component, det: Detection, m: QuantModule, code: str, src
         w = finite_rows(comp, m, qt, r0, r1)
         out = encode_float(w, code)
         if not all_finite(out, code):
-            raise UnsupportedFormat(f"its weights exceed {_DTYPE_NAMES[code]}'s range (largest "
+            raise UnsupportedFormat(f"its weights exceed {FLOAT_NAMES[code]}'s range (largest "
                                     f"{float(np.abs(w).max()):.3g}); write bfloat16 or float32 instead", **where)
         return out
 

@@ -16,6 +16,7 @@ NUMPY = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16
          "F16": np.float16, "BF16": np.uint16, "U32": np.uint32, "I32": np.int32, "F32": np.float32,
          "U64": np.uint64, "I64": np.int64, "F64": np.float64}
 FLOAT_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+FLOAT_NAMES = {code: name for name, code in FLOAT_CODES.items()}
 
 
 def read_array(info: TensorInfo, rows: tuple[int, int] | None = None,
