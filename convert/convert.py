@@ -36,7 +36,7 @@ from ..formats.ir import QuantSpec, QuantTensor
 from ..formats.layout import QuantModule, examples, natural_key
 from ..formats.reader import model_dtype, read_module, require_decodable
 from ..formats.safetensors_header import DTYPES, FLOAT_DTYPES
-from ..formats.tensor_io import FLOAT_NAMES, encode_float, read_array, to_float32
+from ..formats.tensor_io import FLOAT_NAMES, encode_float, finite_scales, read_array, to_float32
 from .dequantize import dequantize_component, finite_rows
 from .engine import DEFAULT_MAX_SHARD, OutTensor, passthrough, run, write_component
 from .requantize import requantize
@@ -179,7 +179,7 @@ def _check_scales(m: QuantModule, comp: Component, source, qt: QuantTensor, spec
 
 
 def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
-                 act_order: bool) -> tuple[QuantSpec, str | None]:
+                 act_order: bool, src_dtype: str) -> tuple[QuantSpec, str | None]:
     """The spec a module gets in the target, and why it must be requantized (None: codes are kept).
     Requantized defaults are what vLLM runs: symmetric, no act-order; a code-book source keeps its
     block size as the group size when GPTQ kernels take it (32/64/128), else 128; a float source
@@ -199,6 +199,8 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
         if scale_code not in caps.scale_dtypes:
             raise UsageError(f"--scale-dtype {opts.scale_dtype}: {opts.to} stores scales as "
                              f"{', '.join(sorted(caps.scale_dtypes))}", tensor=m.name, file=where)
+    elif not reason and (kept := _kept_scale_dtype(m, comp, src, caps, src_dtype)):
+        scale_code = kept
     elif src.scale_divisor != 1:
         scale_code = caps.divisor_scale
     elif reason or src.scale_dtype not in caps.scale_dtypes:
@@ -214,6 +216,26 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
                                 f"{registered_family(tgt.family).method} ({opts.to}): {exc}", tensor=m.name,
                                 file=where) from None
     return spec, reason
+
+
+def _kept_scale_dtype(m: QuantModule, comp: Component, src: QuantSpec, caps, src_dtype: str) -> str | None:
+    """The model's 16-bit dtype for a module whose codes are kept, where the target stores it and every
+    scale s (stored / divisor, in float32) is exactly a value of it: what llm-compressor and AutoAWQ
+    write, and what a source had before a hop through a format of fixed scale dtype (bnb8's float32
+    SCB, auto_round:auto_awq's float16), so such round trips give back the same bytes. A producer's own
+    scales in another dtype (float16 GPTQ scales of a bfloat16 model, SCB absmax / 127) are rarely all
+    exact and keep the default. None: the default (the source's dtype, or caps.divisor_scale)."""
+    code = SCALE_CODES.get(src_dtype)
+    scale_tensor = registered_family(m.family).scale_tensor if m.family != "float" else None
+    if code in (None, "F32", src.scale_dtype) or code not in caps.scale_dtypes or scale_tensor is None:
+        return None
+    info = comp.tensors.get(m.name + scale_tensor)
+    if info is None or info.dtype not in FLOAT_NAMES:
+        return None
+    s = finite_scales(to_float32(read_array(info), info.dtype), info).astype(np.float32)
+    if src.scale_divisor != 1:
+        s = s / np.float32(src.scale_divisor)
+    return code if np.array_equal(to_float32(encode_float(s, code), code), s) else None
 
 
 def _negotiate(m: QuantModule, src, opts: Options, where, caps) -> tuple[int, int, bool, str | None]:
@@ -276,7 +298,8 @@ def _negotiate(m: QuantModule, src, opts: Options, where, caps) -> tuple[int, in
     return bits, group, sym, reason
 
 
-def _one_group_size(comp: Component, modules: list[QuantModule], planned: dict, opts: Options) -> dict:
+def _one_group_size(comp: Component, modules: list[QuantModule], planned: dict, opts: Options,
+                    src_dtype: str) -> dict:
     """For a target whose config holds one group size (AWQ): the group size most modules got, given to
     the others too (requantized, with the reason said). Refused where it does not divide a module."""
     sizes = Counter(spec.group_size for _, _, spec, _ in planned.values())
@@ -292,11 +315,11 @@ def _one_group_size(comp: Component, modules: list[QuantModule], planned: dict, 
                                         f"of most modules) does not divide this module's {m.in_features} inputs",
                                         tensor=m.name, file=comp.tensors[m.weight_tensors[0]].file)
             out[m.name] = (src_spec, act_order, *_target_spec(m, src_spec, replace(opts, group_size=group), comp,
-                                                              act_order))
+                                                              act_order, src_dtype))
     return out
 
 
-def _written_target(comp: Component, modules: list[QuantModule], planned: dict, opts: Options):
+def _written_target(comp: Component, modules: list[QuantModule], planned: dict, opts: Options, src_dtype: str):
     """(opts, planned) for the target that writes the planned modules: a target with a packing hook
     (Target.written_by; auto-round) may hand them to another registered target, picked from their
     specs before any data is read; they are then planned again against that target's caps."""
@@ -307,7 +330,7 @@ def _written_target(comp: Component, modules: list[QuantModule], planned: dict, 
     if written.name == opts.to:
         return opts, planned
     opts = replace(opts, to=written.name)
-    return opts, {m.name: (src_spec, act_order, *_target_spec(m, src_spec, opts, comp, act_order))
+    return opts, {m.name: (src_spec, act_order, *_target_spec(m, src_spec, opts, comp, act_order, src_dtype))
                   for m in modules for src_spec, act_order, _, _ in [planned[m.name]]}
 
 
@@ -450,10 +473,10 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
     for m in modules:
         src_spec = _source_spec(comp, det, m, src_dtype)
         act_order = act_orders[m.name]
-        planned[m.name] = (src_spec, act_order, *_target_spec(m, src_spec, opts, comp, act_order))
+        planned[m.name] = (src_spec, act_order, *_target_spec(m, src_spec, opts, comp, act_order, src_dtype))
     if opts.to in PACKED_TARGETS and registered_target(opts.to).caps.one_group_size:
-        planned = _one_group_size(comp, modules, planned, opts)
-    opts, planned = _written_target(comp, modules, planned, opts)
+        planned = _one_group_size(comp, modules, planned, opts, src_dtype)
+    opts, planned = _written_target(comp, modules, planned, opts, src_dtype)
     for m in modules:
         src_spec, act_order, spec, lossy = planned[m.name]
         specs[m.name] = spec

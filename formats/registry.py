@@ -38,6 +38,8 @@ class Family:
     needs_config: bool = True        # its tensors alone do not say how to decode them (packed words)
     symmetric: Callable | None = None  # (m, qc) -> whether its zero points are 2^(b-1), from headers/config
     rows: int | str = 32             # a row window's ends: multiples of this (or a codec function of m)
+    scale_tensor: str | None = None  # its modules' scale tensor (m.name + this), read alone where the
+                                     # data decides a target's scale dtype (convert._kept_scale_dtype)
 
     def read(self, m: QuantModule, tensors: Mapping, qc: Mapping | None, dtype: str,
              rows: tuple[int, int] | None = None):
@@ -111,7 +113,7 @@ def _register_builtin() -> None:
     register(Family("bnb8", "bitsandbytes LLM.int8", frozenset({"bnb8", "bitsandbytes"}), always,
                     lambda tensors, qc: bnb.find_int8_modules(tensors),
                     lazy_check("bnb_codec", "check_int8_module"), "bnb_codec", bnb.int8_settings,
-                    "read_int8_module", needs_config=False, rows=1))
+                    "read_int8_module", needs_config=False, rows=1, scale_tensor=".SCB"))
     register(Family("bnb4", "bitsandbytes 4-bit", frozenset({"bnb4", "bitsandbytes"}), always,
                     lambda tensors, qc: bnb.find_4bit_modules(tensors),
                     lazy_check("bnb_codec", "check_4bit_module"), "bnb_codec", bnb.four_bit_settings,
@@ -120,16 +122,16 @@ def _register_builtin() -> None:
                     lambda method, qc: method in (None, "gptq") or (method == "auto-round"
                                                                     and not awq_packed(qc)),
                     gptq.find_in_checkpoint, lazy_check("gptq_codec", "check"), "gptq_codec",
-                    gptq.settings, symmetric=lambda m, qc: bool((gptq.per_module_settings(qc, m.name) or {}).get(
+                    gptq.settings, scale_tensor=".scales", symmetric=lambda m, qc: bool((gptq.per_module_settings(qc, m.name) or {}).get(
                         "sym", True)) if qc else True))
     register(Family("awq", "AWQ", frozenset({"awq", "auto-round"}),
                     lambda method, qc: method == "awq" or (method == "auto-round" and awq_packed(qc)),
-                    awq.find_modules, awq.check, "awq_codec", awq.settings,
+                    awq.find_modules, awq.check, "awq_codec", awq.settings, scale_tensor=".scales",
                     symmetric=lambda m, qc: not m.details.get("zero_point", True)))
     register(Family("ct", "compressed-tensors", frozenset({"compressed-tensors"}),
                     lambda method, qc: method == "compressed-tensors",
                     compressed_tensors.find_modules, compressed_tensors.check, "ct_codec",
-                    compressed_tensors.settings,
+                    compressed_tensors.settings, scale_tensor=".weight_scale",
                     symmetric=lambda m, qc: bool(m.details.get("symmetric", True))))
     register(Dialect("bitsandbytes", frozenset({"bnb8", "bnb4", "bitsandbytes"}), bnb.lint))
     register(Dialect("gptq", frozenset({"gptq", "auto-round"}), gptq.lint))
