@@ -52,7 +52,7 @@ SEED_RANGE = (0, 2**32 - 1)
 
 def targets() -> tuple[str, ...]:
     """The names ``convert(to=...)`` takes: the format registry's quantized targets, then the float ones."""
-    from .formats.registry import targets as registered
+    from .formats.core.registry import targets as registered
 
     return tuple(t.name for t in registered() if not t.internal) + FLOAT_TARGETS
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from .formats.checkpoint import Component, open_target
-from .formats.detect import DECODED_METHODS, METHOD_NAMES, detect
-from .formats.layout import examples as _examples, module_of, natural_key
-from .formats.registry import dialects_for, families
+from .formats.storage.checkpoint import Component, open_target
+from .formats.core.detect import DECODED_METHODS, METHOD_NAMES, detect
+from .formats.core.layout import examples as _examples, module_of, natural_key
+from .formats.core.registry import dialects_for, families
 
 
 def inspect_path(path: str | Path) -> dict:

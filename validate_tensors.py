@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .formats.layout import natural_key
-from .formats.safetensors_header import FLOAT_DTYPES, TensorInfo
-from .formats.tensor_io import convert_float, read_array, to_float32
+from .formats.core.layout import natural_key
+from .formats.storage.safetensors_header import FLOAT_DTYPES, TensorInfo
+from .formats.storage.tensor_io import convert_float, read_array, to_float32
 
 UNIT_ROUNDOFF = {"F16": 2.0**-11, "BF16": 2.0**-8, "F32": 2.0**-24, "F64": 2.0**-53}
 HALF_SUBNORMAL = {"F16": 2.0**-25, "BF16": 2.0**-134, "F32": 2.0**-150, "F64": 0.0}

@@ -63,14 +63,14 @@ from .probes import import_bitsandbytes, outlier_activations, producer_imports
 from .errors import UsageError
 from .progress import report as report_progress
 from .validate_tensors import compare_plain_tensors, plain_tensors
-from .formats.checkpoint import Component, open_target
-from .formats.detect import Detection
-from .formats.ir import QuantTensor
-from .formats.layout import QuantModule, natural_key
-from .formats.reader import model_dtype, read_module, require_decodable
-from .formats.registry import family
-from .formats.safetensors_header import FLOAT_DTYPES, TensorInfo
-from .formats.tensor_io import read_array, to_float32
+from .formats.storage.checkpoint import Component, open_target
+from .formats.core.detect import Detection
+from .formats.core.ir import QuantTensor
+from .formats.core.layout import QuantModule, natural_key
+from .formats.core.reader import model_dtype, read_module, require_decodable
+from .formats.core.registry import family
+from .formats.storage.safetensors_header import FLOAT_DTYPES, TensorInfo
+from .formats.storage.tensor_io import read_array, to_float32
 
 ULP = {"F16": 2.0**-11, "BF16": 2.0**-8, "F32": 2.0**-24, "F64": 2.0**-53}
 MAX_ROWS = 4096            # sampled rows: larger layers are checked on evenly spread row windows
@@ -187,23 +187,31 @@ def dequantize_block(qt: QuantTensor, r0: int, r1: int, device):
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
     inp, rows = qt.shape[1], r1 - r0
-    if qt.spec.scheme == "int":
+    if not qt.spec.flat:
         codes = qt.codes[r0:r1]
         if codes.flags.c_contiguous:
-            w = dev(codes).to(torch.float32)
+            c = dev(codes)
         else:                           # a transposed view: transposed on the device
-            w = dev(codes.T).T.contiguous().to(torch.float32)
-        z = dev(qt.zeros[r0:r1]).to(torch.float32)
+            c = dev(codes.T).T.contiguous()
+        if qt.spec.scheme == "int":
+            w = c.to(torch.float32)
+            z = dev(qt.zeros[r0:r1]).to(torch.float32)
+        else:
+            w = torch.tensor(np.asarray(qt.spec.codebook, dtype=np.float32), device=device)[c.long()]
+            z = None
         s = dev(qt.scales[r0:r1]).to(torch.float32)
-        n_groups, gs = z.shape[1], qt.spec.group_size
+        n_groups, gs = s.shape[1], qt.spec.group_size
         if n_groups == 1:
-            w.sub_(z).mul_(s)
+            w = w if z is None else w.sub_(z)
+            w.mul_(s)
         elif qt.g_idx is None and gs > 0 and n_groups * gs == inp:
             w3 = w.view(rows, n_groups, gs)
-            w3.sub_(z[:, :, None]).mul_(s[:, :, None])
+            w3 = w3 if z is None else w3.sub_(z[:, :, None])
+            w3.mul_(s[:, :, None])
         else:
             g = dev(qt.groups.astype(np.int64))
-            w.sub_(z[:, g]).mul_(s[:, g])
+            w = w if z is None else w.sub_(z[:, g])
+            w.mul_(s[:, g])
         if qt.spec.scale_divisor != 1:
             w.mul_(torch.tensor(np.float32(1.0 / qt.spec.scale_divisor), device=device))
         return w
@@ -313,7 +321,7 @@ def _kernel_name(side: Side, e: Entry) -> str | None:
         return m.family if importlib.util.find_spec("bitsandbytes") else None
     if m.family != "gptq":
         return None
-    from .formats.gptq_codec import zero_decoding
+    from .formats.gptq.codec import zero_decoding
     qc = side.det.qc or {}
     # Only what transformers + auto-round load: v1 zeros, fp16 scales, no act-order g_idx, and no
     # GPTQModel `meta` (which that loader refuses).

@@ -38,8 +38,11 @@ PEAK = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=Tru
 def build(root: Path, size: int) -> dict[str, Path]:
     from safetensors.numpy import save_file
 
-    from qconv.formats import awq, awq_codec, compressed_tensors, ct_codec
-    from qconv.formats.ir import QuantSpec, QuantTensor
+    from qconv.formats.awq import header as awq
+    from qconv.formats.awq import codec as awq_codec
+    from qconv.formats.compressed_tensors import header as compressed_tensors
+    from qconv.formats.compressed_tensors import codec as ct_codec
+    from qconv.formats.core.ir import QuantSpec, QuantTensor
 
     rng = np.random.default_rng(0)
     spec = QuantSpec("int", 4, 128, True, scale_dtype="F16")

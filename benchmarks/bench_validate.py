@@ -39,9 +39,9 @@ def floor(path_a: str, path_b: str, samples: int = 32) -> None:
     """The floor: plain read + numpy dequantize + matmul of `samples` activation rows + compare."""
     import numpy as np
 
-    from qconv.formats.checkpoint import open_target
-    from qconv.formats.reader import read_module
-    from qconv.formats.tensor_io import read_array, to_float32
+    from qconv.formats.storage.checkpoint import open_target
+    from qconv.formats.core.reader import read_module
+    from qconv.formats.storage.tensor_io import read_array, to_float32
     from qconv.validation import Side
 
     a, b = (Side(open_target(p).components[0]) for p in (path_a, path_b))

@@ -47,9 +47,9 @@ def _generated_gptq8(folder: Path, layers: int, seed: int = 0) -> int:
     writes), plus fp16 embeddings and norms, written with qconv's own writer. Returns parameters."""
     import numpy as np
     from qconv.convert.engine import OutTensor
-    from qconv.formats import gptq_codec
-    from qconv.formats.ir import QuantSpec, QuantTensor
-    from qconv.formats.safetensors_writer import ShardWriter, index_json, plan_shards
+    from qconv.formats.gptq import codec as gptq_codec
+    from qconv.formats.core.ir import QuantSpec, QuantTensor
+    from qconv.formats.storage.safetensors_writer import ShardWriter, index_json, plan_shards
 
     hidden, inter, kv, vocab = 2048, 5632, 256, 32000
     shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),
@@ -119,11 +119,11 @@ def device_cases():
     from dataclasses import replace
 
     import numpy as np
-    from qconv.formats.bnb_codec import NF4
-    from qconv.formats.checkpoint import open_target
-    from qconv.formats.detect import detect
-    from qconv.formats.ir import QuantSpec, QuantTensor
-    from qconv.formats.reader import model_dtype, read_module
+    from qconv.formats.bnb.codec import NF4
+    from qconv.formats.storage.checkpoint import open_target
+    from qconv.formats.core.detect import detect
+    from qconv.formats.core.ir import QuantSpec, QuantTensor
+    from qconv.formats.core.reader import model_dtype, read_module
 
     for src in sorted(p for p in (REPO / "fixtures" / "checkpoints").iterdir() if (p / "oracle").is_dir()):
         for comp in open_target(src).components:
@@ -211,7 +211,7 @@ def main() -> int:
                      "bnb8", result["ok"], len(result["layers"]), time.perf_counter() - t0))
         ok &= result["ok"]
         # One int8 code of one layer one step off: that layer, and only it, fails.
-        from qconv.formats.safetensors_header import read_header
+        from qconv.formats.storage.safetensors_header import read_header
         bad_layer = "model.layers.0.mlp.down_proj"
         for shard in back.glob("*.safetensors"):
             info = read_header(shard).tensors.get(bad_layer + ".weight")

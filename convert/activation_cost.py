@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..formats.checkpoint import Component
-from ..formats.detect import Detection
-from ..formats.ir import QuantTensor
-from ..formats.layout import QuantModule
-from ..formats.reader import model_dtype, read_module, require_decodable
+from ..formats.storage.checkpoint import Component
+from ..formats.core.detect import Detection
+from ..formats.core.ir import QuantTensor
+from ..formats.core.layout import QuantModule
+from ..formats.core.reader import model_dtype, read_module, require_decodable
 from ..probes import import_bitsandbytes, outlier_activations
 
 SAMPLES = 32
@@ -47,7 +47,7 @@ def _llm_int8(comp: Component, m: QuantModule, x: np.ndarray) -> np.ndarray | No
         import bitsandbytes as bnb
         import torch
 
-        from ..formats.tensor_io import read_array
+        from ..formats.storage.tensor_io import read_array
         cb = torch.from_numpy(read_array(comp.tensors[m.name + ".weight"]))
         scb = torch.from_numpy(read_array(comp.tensors[m.name + ".SCB"])).float()
         state = bnb.MatmulLtState()
@@ -82,7 +82,7 @@ def activation_cost(src: Component, det: Detection, modules: list[QuantModule], 
         kernel = "bitsandbytes LLM.int8 (threshold 6.0)" if y_source is not None else "float"
         if y_source is None:
             if m.family == "float":
-                from ..formats.tensor_io import read_array, to_float32
+                from ..formats.storage.tensor_io import read_array, to_float32
                 info = src.tensors[m.weight_tensors[0]]
                 w = to_float32(read_array(info), info.dtype)
             else:

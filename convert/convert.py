@@ -26,22 +26,23 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CorruptCheckpoint, UnsupportedFormat, UsageError
-from ..formats import gptq_codec
-from ..formats.gptq import block_prefix
-from ..formats.checkpoint import Component
-from ..formats.registry import AUTO_ROUND_AWQ_TARGET, ModuleContext, WriteContext, family as registered_family, target as registered_target, targets as registered_targets
-from ..formats.detect import METHOD_NAMES, Detection
-from ..formats.bnb_codec import STORAGE_CODES, scb_from_scales as _scb_from_scales  # noqa: F401 (tests import it here)
-from ..formats.ir import QuantSpec, QuantTensor
-from ..formats.layout import QuantModule, examples, natural_key
-from ..formats.reader import model_dtype, read_module, require_decodable
-from ..formats.safetensors_header import DTYPES, FLOAT_DTYPES
-from ..formats.tensor_io import FLOAT_NAMES, encode_float, finite_scales, read_array, to_float32
+from ..formats.gptq import codec as gptq_codec
+from ..formats.gptq.header import block_prefix
+from ..formats.storage.checkpoint import Component
+from ..formats.core.registry import AUTO_ROUND_AWQ_TARGET, ModuleContext, WriteContext, family as registered_family, target as registered_target, targets as registered_targets
+from ..formats.core.detect import METHOD_NAMES, Detection
+from ..formats.bnb.codec import STORAGE_CODES, scb_from_scales as _scb_from_scales  # noqa: F401 (tests import it here)
+from ..formats.core.ir import QuantSpec, QuantTensor
+from ..formats.core.minifloat import E4M3_BOOK
+from ..formats.core.layout import QuantModule, examples, natural_key
+from ..formats.core.reader import model_dtype, read_module, require_decodable
+from ..formats.storage.safetensors_header import DTYPES, FLOAT_DTYPES
+from ..formats.storage.tensor_io import FLOAT_NAMES, encode_float, finite_scales, read_array, to_float32
 from .dequantize import dequantize_component, finite_rows
 from .engine import DEFAULT_MAX_SHARD, OutTensor, passthrough, run, write_component
 from .requantize import requantize
 
-# The quantized targets are the format registry's (formats/registry.py: caps or fit, plan, leaves,
+# The quantized targets are the format registry's (formats/core/registry.py: caps or fit, plan, leaves,
 # requantize / retarget, encoder, config); the float targets dequantize (dequantize.py).
 PACKED_TARGETS = tuple(t.name for t in registered_targets())
 FLOAT_TARGETS = ("float16", "bfloat16", "float32")
@@ -497,7 +498,7 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
                                                   frozenset(n for n, why in lossy_of.items() if why))
     written = write_component(comp, out_dir, plan, config, max_shard, f"converting {comp.name}")
     if opts.to in PACKED_TARGETS and registered_target(opts.to).activations:
-        from ..formats.checkpoint import open_component
+        from ..formats.storage.checkpoint import open_component
         from .activation_cost import activation_cost
         written["activation_cost"] = activation_cost(comp, det, modules, open_component(out_dir, comp.name))
     layers = sorted(stats.layers, key=lambda r: natural_key(r["module"]))
@@ -548,8 +549,11 @@ def _source_spec(comp, det: Detection, m: QuantModule, src_dtype: str) -> QuantS
         return FloatSpec(m.scheme)
     if m.family == "bnb8":
         return QuantSpec("int", 8, -1, True, scale_divisor=127)
+    if m.scheme == "e4m3":                      # every FP8 dialect (layout.QuantModule details)
+        return QuantSpec("e4m3", 8, m.group_size or -1, True, codebook=E4M3_BOOK,
+                         scale_dtype=m.details.get("scales_dtype") or "F32", block_rows=m.details["block_rows"])
     if m.family == "bnb4":
-        from ..formats.bnb_codec import CODEBOOKS
+        from ..formats.bnb.codec import CODEBOOKS
         return QuantSpec(m.scheme, 4, m.group_size, True, codebook=tuple(map(float, CODEBOOKS[m.scheme])),
                          storage=STORAGE_CODES.get(m.details.get("quant_storage"), "U8"))
     sym = registered_family(m.family).symmetric(m, det.qc)
@@ -565,7 +569,7 @@ def validation_tolerances(report: dict) -> dict[str, tuple]:
 
 def check_results(written, *, samples: int = 32, seed: int = 0) -> list[dict]:
     from ..errors import ValidationFailed
-    from ..formats.checkpoint import open_component
+    from ..formats.storage.checkpoint import open_component
     from ..validation import validate_components
 
     results = []

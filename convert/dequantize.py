@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CorruptCheckpoint, UnsupportedFormat
-from ..formats.checkpoint import Component
-from ..formats.detect import Detection
-from ..formats.layout import QuantModule, natural_key
-from ..formats.reader import model_dtype, read_module, require_decodable
-from ..formats.registry import family
-from ..formats.tensor_io import FLOAT_CODES, FLOAT_NAMES, all_finite, encode_float
+from ..formats.storage.checkpoint import Component
+from ..formats.core.detect import Detection
+from ..formats.core.layout import QuantModule, natural_key
+from ..formats.core.reader import model_dtype, read_module, require_decodable
+from ..formats.core.registry import family
+from ..formats.storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, all_finite, encode_float
 from ..validation import WINDOW_ELEMENTS   # codes of a module read at once, as validate reads them
 from .engine import DEFAULT_MAX_SHARD, OutTensor, ordered, passthrough, run, write_component
 

@@ -20,12 +20,12 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ..errors import CorruptCheckpoint, UnsupportedFormat
-from ..formats.checkpoint import (QUANT_CONFIG_FILES, Component, SourceRoot, is_pickle, listing, open_target,
+from ..formats.storage.checkpoint import (QUANT_CONFIG_FILES, Component, SourceRoot, is_pickle, listing, open_target,
                                   plain_name)
-from ..formats.reader import require_decodable
-from ..formats.safetensors_header import FLOAT_DTYPES, TensorInfo, open_regular
-from ..formats.safetensors_writer import ShardWriter, index_json, plan_shards
-from ..formats.tensor_io import convert_float, read_array
+from ..formats.core.reader import require_decodable
+from ..formats.storage.safetensors_header import FLOAT_DTYPES, TensorInfo, open_regular
+from ..formats.storage.safetensors_writer import ShardWriter, index_json, plan_shards
+from ..formats.storage.tensor_io import convert_float, read_array
 from ..progress import report
 from .staging import staged_output, test_hook
 

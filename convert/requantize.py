@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..formats.ir import QuantSpec, QuantTensor
-from ..formats.tensor_io import encode_float, to_float32
+from ..formats.core.ir import QuantSpec, QuantTensor
+from ..formats.storage.tensor_io import encode_float, to_float32
 
 SHRINK = np.linspace(0.50, 1.50, 101, dtype=np.float32)
 REFINE_STEPS = 3

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qconv.formats.safetensors_header import encode_header
+from qconv.formats.storage.safetensors_header import encode_header
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures"

@@ -30,10 +30,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import CHECKPOINTS, REPO, load_tensors, report_crashes, run_qconv
-from qconv.formats.checkpoint import open_target
-from qconv.formats.ir import QuantSpec
-from qconv.formats.reader import read_module, require_decodable
-from qconv.formats.registry import target
+from qconv.formats.storage.checkpoint import open_target
+from qconv.formats.core.ir import QuantSpec
+from qconv.formats.core.reader import read_module, require_decodable
+from qconv.formats.core.registry import target
 
 ARK = REPO / ".venv-ark"
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -110,7 +110,7 @@ def test_auto_round_picks_the_packing_from_the_specs(modules, written):
 def test_asymmetric_packings_put_sym_false_on_top():
     """auto-round writes auto_awq and plain auto_round for an asymmetric scheme: the default is taken
     among the asymmetric modules even where most are symmetric; the symmetric ones get sym: true."""
-    from qconv.formats.registry import WriteContext
+    from qconv.formats.core.registry import WriteContext
 
     names = [f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"]
     specs = {n: _spec(sym=i > 0) for i, n in enumerate(names)}

@@ -1,4 +1,4 @@
-"""AWQ GEMM codec (formats/awq.py, formats/awq_codec.py) against the GPTQModel-made fixtures.
+"""AWQ GEMM codec (formats/awq/header.py, formats/awq/codec.py) against the GPTQModel-made fixtures.
 
 Expectations come from outside the code under test: GPTQModel's own dequantization (oracle/), the stored
 bytes of the files, a re-implementation of AutoAWQ's unpacking written here from its source, and
@@ -16,10 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qconv.errors import CorruptCheckpoint, UnsupportedFormat
-from qconv.formats import awq, awq_codec
-from qconv.formats.ir import QuantSpec, QuantTensor
-from qconv.formats.safetensors_header import read_header
-from qconv.formats.tensor_io import read_array
+from qconv.formats.awq import header as awq
+from qconv.formats.awq import codec as awq_codec
+from qconv.formats.core.ir import QuantSpec, QuantTensor
+from qconv.formats.storage.safetensors_header import read_header
+from qconv.formats.storage.tensor_io import read_array
 
 from conftest import CHECKPOINTS, copy_checkpoint, run_qconv
 
@@ -395,7 +396,7 @@ def test_zero_point_false_with_varied_zeros_is_not_symmetric():
 # ---------------------------------------------------------------------------------------------
 
 def test_awq_module_imports_without_numpy():
-    code = "import sys, qconv.formats.awq; assert 'numpy' not in sys.modules, 'numpy imported'"
+    code = "import sys, qconv.formats.awq.header; assert 'numpy' not in sys.modules, 'numpy imported'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
 

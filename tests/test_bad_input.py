@@ -221,7 +221,7 @@ def case_quantization_config_not_object(t):
 def case_quant_state_not_json(t):
     d = copy_checkpoint("llama-bnb4-nf4-dq", t)
     p = d / "model.safetensors"
-    from qconv.formats.safetensors_header import read_header
+    from qconv.formats.storage.safetensors_header import read_header
     name = "model.layers.1.self_attn.o_proj.weight.quant_state.bitsandbytes__nf4"
     info = read_header(p).tensors[name]
     with open(p, "r+b") as f:

@@ -311,7 +311,7 @@ def test_new_double_quantization_is_read_by_bitsandbytes_as_written(tmp_path):
     QuantState.from_dict + dequantize_4bit on the written tensors gives what qconv reads back."""
     import bitsandbytes.functional as F
     from bitsandbytes.functional import QuantState, create_dynamic_map
-    from qconv.formats.bnb_codec import DYNAMIC_MAP
+    from qconv.formats.bnb.codec import DYNAMIC_MAP
 
     assert np.array_equal(DYNAMIC_MAP.view(np.uint32), create_dynamic_map(signed=True).numpy().view(np.uint32))
     out, deq = tmp_path / "dq", tmp_path / "deq"

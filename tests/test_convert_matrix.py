@@ -10,9 +10,9 @@ from safetensors.numpy import load_file
 
 from qconv.convert.convert import Options, check_results, convert
 from qconv.errors import UnsupportedFormat
-from qconv.formats.checkpoint import open_target
-from qconv.formats.detect import detect
-from qconv.formats.reader import read_module
+from qconv.formats.storage.checkpoint import open_target
+from qconv.formats.core.detect import detect
+from qconv.formats.core.reader import read_module
 from qconv.inspection import inspect_path
 
 from conftest import CHECKPOINTS, QUANTIZED

@@ -1,5 +1,5 @@
-"""compressed-tensors (llm-compressor) checkpoints: formats/compressed_tensors.py (headers, config)
-and formats/ct_codec.py (data), against the producer-made fixtures, their oracles, the stored bytes
+"""compressed-tensors (llm-compressor) checkpoints: formats/compressed_tensors/header.py (headers,
+config) and formats/compressed_tensors/codec.py (data), against the producer-made fixtures, their oracles, the stored bytes
 and compressed-tensors' own compressors."""
 
 import copy
@@ -14,11 +14,11 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from qconv.errors import CorruptCheckpoint, UnsupportedFormat
-from qconv.formats import compressed_tensors as ct
-from qconv.formats import ct_codec
-from qconv.formats.ir import QuantSpec, QuantTensor
-from qconv.formats.safetensors_header import read_header
-from qconv.formats.tensor_io import read_array
+from qconv.formats.compressed_tensors import header as ct
+from qconv.formats.compressed_tensors import codec as ct_codec
+from qconv.formats.core.ir import QuantSpec, QuantTensor
+from qconv.formats.storage.safetensors_header import read_header
+from qconv.formats.storage.tensor_io import read_array
 
 from conftest import CHECKPOINTS, copy_checkpoint, run_qconv
 
@@ -325,7 +325,7 @@ def test_int_quantized_codes_outside_their_bits_are_refused(tmp_path):
 
 
 def test_header_module_imports_no_numpy():
-    code = ("import sys, qconv.formats.compressed_tensors as ct; "
+    code = ("import sys, qconv.formats.compressed_tensors.header as ct; "
             "print(sorted(m for m in ('numpy', 'torch', 'safetensors') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

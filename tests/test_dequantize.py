@@ -12,9 +12,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from qconv.formats.checkpoint import open_target
-from qconv.formats.detect import detect
-from qconv.formats.reader import read_module
+from qconv.formats.storage.checkpoint import open_target
+from qconv.formats.core.detect import detect
+from qconv.formats.core.reader import read_module
 
 from conftest import CHECKPOINTS, FIXTURES, QCONV, QUANTIZED, child_env, child_signals, copy_checkpoint, run_qconv
 
@@ -261,7 +261,7 @@ def test_an_interrupt_wrapped_by_a_library_is_still_an_interrupt(monkeypatch, ca
 
 
 def test_non_row_int8_layout_is_refused(tmp_path):
-    from qconv.formats.safetensors_header import read_header
+    from qconv.formats.storage.safetensors_header import read_header
 
     src = copy_checkpoint("llama-bnb8", tmp_path)
     info = read_header(src / "model.safetensors").tensors["model.layers.0.mlp.up_proj.weight_format"]

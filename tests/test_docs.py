@@ -286,12 +286,25 @@ def test_repository_paths_named_in_code_exist(page):
 def test_layout_names_every_module_and_only_modules_that_exist():
     layout = (ROOT / "docs" / "layout.md").read_text()
     named = set(re.findall(r"`([\w]+\.py)`", layout))
-    modules = {p.name for d in (ROOT, ROOT / "formats", ROOT / "convert") for p in d.glob("*.py")}
+    sources = [*ROOT.glob("*.py"), *(ROOT / "convert").glob("*.py"), *(ROOT / "formats").rglob("*.py")]
+    modules = {p.name for p in sources}
     assert named <= modules, f"docs/layout.md names modules that do not exist: {named - modules}"
-    for folder in ("formats", "convert"):
-        for p in sorted((ROOT / folder).glob("*.py")):
-            if p.name != "__init__.py":
-                assert f"`{p.name}`" in layout, f"docs/layout.md does not say what {folder}/{p.name} is"
+    for p in sorted(p for p in sources if p.parent != ROOT and p.name != "__init__.py"):
+        assert f"`{p.name}`" in layout, f"docs/layout.md does not say what {p.relative_to(ROOT)} is"
+    for folder in sorted(d for d in (ROOT / "formats").iterdir() if (d / "__init__.py").exists()):
+        assert f"`{folder.name}/`" in layout, f"docs/layout.md does not say what formats/{folder.name}/ holds"
+
+
+def test_every_package_folder_is_installed():
+    """pyproject lists packages by hand (the repository root is the package): a folder missing there
+    would be absent from a wheel, and from an editable install's strict mode."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(("qconv",) + p.parent.relative_to(ROOT).parts)
+             for p in ROOT.rglob("__init__.py")
+             if not any(part.startswith(".") or part in ("tests", "fixtures", "benchmarks") for part in
+                        p.relative_to(ROOT).parts)}
+    assert found == listed
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -520,7 +533,7 @@ def test_validate_defaults_and_figures_are_the_codes():
         r"evenly spread windows of (\d+) rows": v["MAX_ROWS"] // v["WINDOWS"],
         r"`--samples` rows, default (\d+)": params["samples"].default,
         r"`--seed`, default (\d+)": params["seed"].default,
-        r"JSON reads are capped at (\d+) MiB": _constants(ROOT / "formats" / "checkpoint.py")["MAX_JSON_BYTES"] / 2**20,
+        r"JSON reads are capped at (\d+) MiB": _constants(ROOT / "formats" / "storage" / "checkpoint.py")["MAX_JSON_BYTES"] / 2**20,
     }
     for pattern, value in figures.items():
         quoted = re.findall(pattern, re.sub(r"\s+", " ", text))

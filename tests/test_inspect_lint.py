@@ -6,7 +6,7 @@ import json
 import pytest
 from safetensors.torch import load_file, save_file
 
-from qconv.formats.safetensors_header import read_header
+from qconv.formats.storage.safetensors_header import read_header
 
 from conftest import inspect_json, run_qconv
 

@@ -11,12 +11,12 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from safetensors.torch import save_file
 
-from qconv.formats import gptq_codec
-from qconv.formats.checkpoint import open_target
-from qconv.formats.detect import detect
-from qconv.formats.ir import QuantSpec, QuantTensor
-from qconv.formats.packing import pack_int32, unpack_int32, unpack_int32_transposed
-from qconv.formats.reader import read_module
+from qconv.formats.gptq import codec as gptq_codec
+from qconv.formats.storage.checkpoint import open_target
+from qconv.formats.core.detect import detect
+from qconv.formats.core.ir import QuantSpec, QuantTensor
+from qconv.formats.core.packing import pack_int32, unpack_int32, unpack_int32_transposed
+from qconv.formats.core.reader import read_module
 
 from conftest import CHECKPOINTS
 
@@ -92,7 +92,7 @@ def test_4bit_reader_equals_bitsandbytes_dequantize(tmp_path, out, inp, blocksiz
 
 def test_codebooks_are_bitsandbytes_own():
     from bitsandbytes.functional import get_4bit_type
-    from qconv.formats.bnb_codec import CODEBOOKS
+    from qconv.formats.bnb.codec import CODEBOOKS
 
     for name, book in CODEBOOKS.items():
         theirs = get_4bit_type(name, device="cpu").numpy()
@@ -153,7 +153,7 @@ def test_symmetric_zero_words_match_the_documented_constants(encoding, bits):
 @pytest.mark.parametrize("name, bits", [("llama-gptq-w2g128", 2), ("llama-gptq-w3g128", 3),
                                         ("llama-gptq-w8g128", 8), ("llama-autoround-w8g128", 8)])
 def test_real_sym_checkpoints_store_the_v1_constants(name, bits):
-    from qconv.formats.tensor_io import read_array
+    from qconv.formats.storage.tensor_io import read_array
 
     comp = open_target(CHECKPOINTS / name).components[0]
     word = read_array(comp.tensors["model.layers.0.self_attn.q_proj.qzeros"]).view(np.uint32)

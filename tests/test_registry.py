@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qconv.formats.checkpoint import open_target
-from qconv.formats.reader import read_module, require_decodable
-from qconv.formats.registry import ModuleContext, WriteContext, family, target, targets
+from qconv.formats.storage.checkpoint import open_target
+from qconv.formats.core.reader import read_module, require_decodable
+from qconv.formats.core.registry import ModuleContext, WriteContext, family, target, targets
 
 from conftest import CHECKPOINTS
 
@@ -137,7 +137,7 @@ def test_a_plan_refuses_packed_bytes_its_storage_cannot_hold():
     data is read (the plan's encoder is never called), and the leaves say why."""
     from qconv.convert.convert import Options
     from qconv.errors import UnsupportedFormat
-    from qconv.formats.layout import QuantModule
+    from qconv.formats.core.layout import QuantModule
 
     tgt = target("bnb4-nf4")
     m = QuantModule("layer", "float", "float16", 16, 3, 3, ("layer.weight",), (), details={"dtype": "float16"})
@@ -157,5 +157,5 @@ def test_the_registry_imports_no_numpy():
     import subprocess
     import sys
 
-    code = "import sys, qconv.formats.registry as r; r.targets(); assert 'numpy' not in sys.modules, 'numpy'"
+    code = "import sys, qconv.formats.core.registry as r; r.targets(); assert 'numpy' not in sys.modules, 'numpy'"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -9,11 +9,11 @@ import pytest
 
 from conftest import ALL_CHECKPOINTS, CHECKPOINTS
 from qconv.errors import CorruptCheckpoint
-from qconv.formats.checkpoint import open_target
-from qconv.formats.reader import model_dtype, read_module, require_decodable
-from qconv.formats.registry import family
-from qconv.formats.safetensors_header import read_header
-from qconv.formats.tensor_io import read_array
+from qconv.formats.storage.checkpoint import open_target
+from qconv.formats.core.reader import model_dtype, read_module, require_decodable
+from qconv.formats.core.registry import family
+from qconv.formats.storage.safetensors_header import read_header
+from qconv.formats.storage.tensor_io import read_array
 
 
 def _components():

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from qconv.errors import CorruptCheckpoint
-from qconv.formats.safetensors_header import encode_header, read_header
+from qconv.formats.storage.safetensors_header import encode_header, read_header
 
 from conftest import CHECKPOINTS
 

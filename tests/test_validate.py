@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from qconv.formats.safetensors_header import read_header
+from qconv.formats.storage.safetensors_header import read_header
 
 from conftest import CHECKPOINTS, copy_checkpoint, run_qconv
 
@@ -107,7 +107,7 @@ def test_convert_validate_refuses_to_publish_a_wrong_result(tmp_path, monkeypatc
     """An encoder bug (simulated: one code flipped) is caught before the rename: nothing at DST."""
     from qconv.convert.convert import Options, convert
     from qconv.errors import ValidationFailed
-    from qconv.formats import gptq_codec
+    from qconv.formats.gptq import codec as gptq_codec
 
     real = gptq_codec.encode
 
@@ -375,7 +375,7 @@ def test_shards_of_layers_add_up_to_the_whole(monkeypatch, tmp_path):
     """Layers are independent: validating disjoint shards of them (what one task of a distributed run
     does) gives, together, exactly the reports of one run over all, kernel sample included."""
     from qconv import validation
-    from qconv.formats.checkpoint import open_target
+    from qconv.formats.storage.checkpoint import open_target
 
     monkeypatch.setattr(validation, "KERNEL_SAMPLE", 2)
     out = tmp_path / "gptq"
@@ -420,8 +420,8 @@ def test_one_product_for_both_sides_is_each_sides_product(name):
     float32 accumulation, per output channel, on per-row scales and on groups."""
     from dataclasses import replace
 
-    from qconv.formats.checkpoint import open_target
-    from qconv.formats.reader import read_module
+    from qconv.formats.storage.checkpoint import open_target
+    from qconv.formats.core.reader import read_module
     from qconv.validation import _activations, _factored_outputs, Side
 
     side = Side(open_target(CHECKPOINTS / name).components[0])

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import CHECKPOINTS
 from qconv import validation
-from qconv.formats.safetensors_header import read_header
+from qconv.formats.storage.safetensors_header import read_header
 
 BLOCK = 1 << 13        # 16 rows of 512 inputs, rounded up to 32: blocks of 32 rows
 WINDOW = 1 << 15       # two such blocks a window

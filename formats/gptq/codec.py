@@ -6,13 +6,13 @@ from typing import Mapping
 
 import numpy as np
 
-from ..errors import CorruptCheckpoint, UnsupportedFormat
-from .gptq import AUTO_ROUND_READABLE, GPTQ_FORMATS, parse_config, per_module_settings
-from .ir import QuantSpec, QuantTensor
-from .layout import QuantModule
-from .packing import pack_int32, unpack_int32, unpack_int32_transposed
-from .safetensors_header import TensorInfo
-from .tensor_io import encode_float, finite_scales, read_array, to_float32
+from ...errors import CorruptCheckpoint, UnsupportedFormat
+from .header import AUTO_ROUND_READABLE, GPTQ_FORMATS, parse_config, per_module_settings
+from ..core.ir import QuantSpec, QuantTensor
+from ..core.layout import QuantModule
+from ..core.packing import pack_int32, unpack_int32, unpack_int32_transposed
+from ..storage.safetensors_header import TensorInfo
+from ..storage.tensor_io import encode_float, finite_scales, read_array, to_float32
 
 def zero_decoding(qc: Mapping | None) -> tuple[str, bool]:
     """(zero encoding, word_carry) for a checkpoint's qzeros.

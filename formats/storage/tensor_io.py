@@ -8,13 +8,14 @@ import os
 
 import numpy as np
 
-from ..errors import CorruptCheckpoint
+from ...errors import CorruptCheckpoint
 from .safetensors_header import TensorInfo
 
 # safetensors dtype -> numpy dtype of the stored bits (BF16 as raw uint16).
 NUMPY = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
          "F16": np.float16, "BF16": np.uint16, "U32": np.uint32, "I32": np.int32, "F32": np.float32,
-         "U64": np.uint64, "I64": np.int64, "F64": np.float64}
+         "U64": np.uint64, "I64": np.int64, "F64": np.float64,
+         "F8_E4M3": np.uint8, "F8_E8M0": np.uint8}          # FP8 as raw bytes (core/minifloat.py decodes)
 FLOAT_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 FLOAT_NAMES = {code: name for name, code in FLOAT_CODES.items()}
 
@@ -91,8 +92,12 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
 
 
 def to_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored values (as read_array gives them) as float32, exactly: every dtype a scale is stored in."""
     if dtype == "BF16":
         return bf16_to_f32(values)
+    if dtype in ("F8_E4M3", "F8_E8M0"):
+        from ..core.minifloat import E4M3, e8m0
+        return E4M3[values] if dtype == "F8_E4M3" else e8m0(values)
     return values.astype(np.float32, copy=False)
 
 

@@ -21,12 +21,12 @@ from typing import Mapping
 
 import numpy as np
 
-from ..errors import CorruptCheckpoint
-from .awq import AWQ_ORDER, BITS, PACK, SCALE_DTYPES, check, parse_config
-from .ir import QuantSpec, QuantTensor
-from .layout import QuantModule
-from .safetensors_header import TensorInfo
-from .tensor_io import encode_float, finite_scales, read_array, to_float32
+from ...errors import CorruptCheckpoint
+from .header import AWQ_ORDER, BITS, PACK, SCALE_DTYPES, check, parse_config
+from ..core.ir import QuantSpec, QuantTensor
+from ..core.layout import QuantModule
+from ..storage.safetensors_header import TensorInfo
+from ..storage.tensor_io import encode_float, finite_scales, read_array, to_float32
 
 _SYM_ZERO = 1 << (BITS - 1)
 

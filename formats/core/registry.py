@@ -23,6 +23,8 @@ from typing import Callable, Mapping
 
 from .layout import QuantModule
 
+_FORMATS = __package__.rsplit(".", 1)[0]   # qconv.formats: codec names are relative to it
+
 
 @dataclass(frozen=True)
 class Family:
@@ -46,13 +48,13 @@ class Family:
         """The module, or only its output rows r0:r1 (ends on multiples of row_step(m), or the last
         row), as a QuantTensor: the reader reads only those rows' bytes, so a caller holding one window
         at a time holds a bounded part of any layer."""
-        fn = getattr(importlib.import_module(f"{__package__}.{self.codec}"), self.reader)
+        fn = getattr(importlib.import_module(f"{_FORMATS}.{self.codec}"), self.reader)
         return fn(m, tensors, qc, dtype) if rows is None else fn(m, tensors, qc, dtype, rows)
 
     def row_step(self, m: QuantModule) -> int:
         if isinstance(self.rows, int):
             return self.rows
-        return getattr(importlib.import_module(f"{__package__}.{self.codec}"), self.rows)(m)
+        return getattr(importlib.import_module(f"{_FORMATS}.{self.codec}"), self.rows)(m)
 
 
 @dataclass(frozen=True)
@@ -99,44 +101,52 @@ def decoded_config_methods() -> frozenset:
 
 
 def _register_builtin() -> None:
-    from . import awq, bnb, compressed_tensors, gptq
+    from ..awq import header as awq
+    from ..bnb import header as bnb
+    from ..compressed_tensors import header as compressed_tensors
+    from ..fp8 import header as fp8
+    from ..gptq import header as gptq
 
     def awq_packed(qc) -> bool:                 # auto-round's AWQ packing (auto_round:auto_awq)
         return bool(qc) and awq.is_auto_round(qc) and gptq.normalise_packing_format(qc) == awq.AUTO_ROUND_AWQ
 
     def lazy_check(codec: str, fn: str):
         def check(m, tensors, qc):
-            getattr(importlib.import_module(f"{__package__}.{codec}"), fn)(m, tensors, qc)
+            getattr(importlib.import_module(f"{_FORMATS}.{codec}"), fn)(m, tensors, qc)
         return check
 
     always = lambda method, qc: True          # noqa: E731 - bitsandbytes' tensor names are its own
     register(Family("bnb8", "bitsandbytes LLM.int8", frozenset({"bnb8", "bitsandbytes"}), always,
                     lambda tensors, qc: bnb.find_int8_modules(tensors),
-                    lazy_check("bnb_codec", "check_int8_module"), "bnb_codec", bnb.int8_settings,
+                    lazy_check("bnb.codec", "check_int8_module"), "bnb.codec", bnb.int8_settings,
                     "read_int8_module", needs_config=False, rows=1, scale_tensor=".SCB"))
     register(Family("bnb4", "bitsandbytes 4-bit", frozenset({"bnb4", "bitsandbytes"}), always,
                     lambda tensors, qc: bnb.find_4bit_modules(tensors),
-                    lazy_check("bnb_codec", "check_4bit_module"), "bnb_codec", bnb.four_bit_settings,
+                    lazy_check("bnb.codec", "check_4bit_module"), "bnb.codec", bnb.four_bit_settings,
                     "read_4bit_module", needs_config=False, rows="four_bit_row_step"))
     register(Family("gptq", "GPTQ", frozenset({"gptq", "auto-round"}),
                     lambda method, qc: method in (None, "gptq") or (method == "auto-round"
                                                                     and not awq_packed(qc)),
-                    gptq.find_in_checkpoint, lazy_check("gptq_codec", "check"), "gptq_codec",
+                    gptq.find_in_checkpoint, lazy_check("gptq.codec", "check"), "gptq.codec",
                     gptq.settings, scale_tensor=".scales", symmetric=lambda m, qc: bool((gptq.per_module_settings(qc, m.name) or {}).get(
                         "sym", True)) if qc else True))
     register(Family("awq", "AWQ", frozenset({"awq", "auto-round"}),
                     lambda method, qc: method == "awq" or (method == "auto-round" and awq_packed(qc)),
-                    awq.find_modules, awq.check, "awq_codec", awq.settings, scale_tensor=".scales",
+                    awq.find_modules, awq.check, "awq.codec", awq.settings, scale_tensor=".scales",
                     symmetric=lambda m, qc: not m.details.get("zero_point", True)))
     register(Family("ct", "compressed-tensors", frozenset({"compressed-tensors"}),
                     lambda method, qc: method == "compressed-tensors",
-                    compressed_tensors.find_modules, compressed_tensors.check, "ct_codec",
+                    compressed_tensors.find_modules, compressed_tensors.check, "compressed_tensors.codec",
                     compressed_tensors.settings, scale_tensor=".weight_scale",
                     symmetric=lambda m, qc: bool(m.details.get("symmetric", True))))
+    register(Family("fp8", "fine-grained FP8", frozenset({"fp8"}), lambda method, qc: method == "fp8",
+                    fp8.find_modules, fp8.check, "fp8.codec", fp8.settings, scale_tensor=".weight_scale_inv",
+                    symmetric=lambda m, qc: True, rows=1))
     register(Dialect("bitsandbytes", frozenset({"bnb8", "bnb4", "bitsandbytes"}), bnb.lint))
     register(Dialect("gptq", frozenset({"gptq", "auto-round"}), gptq.lint))
     register(Dialect("awq", frozenset({"awq"}), awq.lint))
     register(Dialect("compressed-tensors", frozenset({"compressed-tensors"}), compressed_tensors.lint))
+    register(Dialect("fp8", frozenset({"fp8"}), fp8.lint))
 
 
 _register_builtin()
@@ -239,7 +249,7 @@ class Target:
     def encode(self, qt, spec, g_idx: bool) -> dict:
         """The module's tensors, zero points stored in this target's own convention."""
         spec = replace(spec, zero_encoding=self.zero_encoding)
-        return importlib.import_module(f"{__package__}.{self.codec}").encode_for(self.name, qt, spec, g_idx)
+        return importlib.import_module(f"{_FORMATS}.{self.codec}").encode_for(self.name, qt, spec, g_idx)
 
     def written_by(self, modules: Mapping) -> "Target":
         """The target that writes these negotiated modules ({name: (spec, (out, in))}), decided before any
@@ -253,7 +263,7 @@ def _lazy(module: str, fn: str, *bound):
     """A hook that imports module (relative to qconv.formats) on its first call and calls fn with the
     bound arguments first: numpy-side hooks without numpy at registration."""
     def hook(*args, **kwargs):
-        return getattr(importlib.import_module(f"{__package__}.{module}"), fn)(*bound, *args, **kwargs)
+        return getattr(importlib.import_module(f"{_FORMATS}.{module}"), fn)(*bound, *args, **kwargs)
     hook.__name__ = hook.__qualname__ = f"{module}.{fn}"
     return hook
 
@@ -311,49 +321,52 @@ def auto_round_packing(modules: Mapping) -> str | None:
 
 
 def _register_targets() -> None:
-    from . import awq, bnb, compressed_tensors, gptq
+    from ..awq import header as awq
+    from ..bnb import header as bnb
+    from ..compressed_tensors import header as compressed_tensors
+    from ..gptq import header as gptq
 
     int_2_8 = frozenset(range(2, 9))
     for name in ("gptq", "gptq-v2"):
         register_target(Target(name, "gptq", Caps(int_2_8, act_order=True), gptq.leaves, gptq.config_writer(name),
-                               "gptq_codec", g_idx="always", zero_encoding="v2" if name == "gptq-v2" else "v1"))
+                               "gptq.codec", g_idx="always", zero_encoding="v2" if name == "gptq-v2" else "v1"))
     # auto-round: one --to name, three packings, picked from the negotiated specs as auto-round's own
     # export picks them (auto_round_packing). auto_gptq (z - 1) for symmetric modules, as before;
     # the asymmetric packings store zero points as they are.
     register_target(Target("auto-round", "gptq", Caps(int_2_8), gptq.leaves,
-                           gptq.config_writer("auto-round", gptq.AUTO_ROUND_GPTQ), "gptq_codec",
+                           gptq.config_writer("auto-round", gptq.AUTO_ROUND_GPTQ), "gptq.codec",
                            zero_encoding="v1", packing=auto_round_packing))
     register_target(Target(AUTO_ROUND_AWQ_TARGET, "awq",
                            Caps(frozenset({4}), per_row=False, scale_dtypes=frozenset({"F16"})), awq.writer_leaves,
-                           gptq.config_writer(AUTO_ROUND_AWQ_TARGET, awq.AUTO_ROUND_AWQ), "awq_codec",
+                           gptq.config_writer(AUTO_ROUND_AWQ_TARGET, awq.AUTO_ROUND_AWQ), "awq.codec",
                            internal=True))
     register_target(Target(AUTO_ROUND_PLAIN_TARGET, "gptq", Caps(int_2_8), gptq.leaves,
-                           gptq.config_writer(AUTO_ROUND_PLAIN_TARGET, gptq.AUTO_ROUND_PLAIN), "gptq_codec",
+                           gptq.config_writer(AUTO_ROUND_PLAIN_TARGET, gptq.AUTO_ROUND_PLAIN), "gptq.codec",
                            zero_encoding="v2", internal=True))
     register_target(Target("compressed-tensors", "ct", Caps(int_2_8, divisor_scale="F32"),
                            compressed_tensors.writer_leaves(compressed_tensors.PACKED),
-                           compressed_tensors.writer_config(compressed_tensors.PACKED), "ct_codec"))
+                           compressed_tensors.writer_config(compressed_tensors.PACKED), "compressed_tensors.codec"))
     register_target(Target("compressed-tensors-w8a8", "ct",
                            Caps(frozenset({8}), asym=False, grouped=False, divisor_scale="F32", fallback_bits=8),
                            compressed_tensors.writer_leaves(compressed_tensors.INT),
-                           compressed_tensors.writer_config(compressed_tensors.INT), "ct_codec",
+                           compressed_tensors.writer_config(compressed_tensors.INT), "compressed_tensors.codec",
                            activations="int8 per token, dynamic"))
     register_target(Target("awq", "awq", Caps(frozenset({4}), per_row=False, scale_dtypes=frozenset({"F16", "BF16"}),
                                               fallback_bits=4, one_group_size=True),
-                           awq.writer_leaves, awq.writer_config, "awq_codec"))
+                           awq.writer_leaves, awq.writer_config, "awq.codec"))
     # bitsandbytes: LLM.int8 (codes kept from 8-bit symmetric per-row sources, SCB = s * 127) and 4-bit
     # nf4 / fp4 (its own options, code books, double quant planned per module); bnb.py and bnb_codec.py.
     register_target(Target("bnb8", "bnb8", Caps(frozenset({8}), asym=False, grouped=False,
                                                 scale_dtypes=frozenset({"F32"}), divisor_scale="F32"),
-                           bnb.int8_leaves, bnb.config_writer(False), "bnb_codec",
-                           fit=_lazy("bnb_codec", "fit_int8"), retarget=_lazy("bnb_codec", "retarget_int8")))
+                           bnb.int8_leaves, bnb.config_writer(False), "bnb.codec",
+                           fit=_lazy("bnb.codec", "fit_int8"), retarget=_lazy("bnb.codec", "retarget_int8")))
     for name, quant_type in bnb.FOUR_BIT_TARGETS.items():
         register_target(Target(name, "bnb4", Caps(frozenset({4}), asym=False, per_row=False, grouped=False,
                                                   scale_dtypes=frozenset({"F32"}), divisor_scale="F32"),
-                               bnb.four_bit_leaves, bnb.config_writer(True), "bnb_codec",
-                               fit=_lazy("bnb_codec", "fit_4bit", quant_type), plan=_lazy("bnb_codec", "plan_4bit"),
-                               requantize=_lazy("bnb_codec", "requantize_4bit"),
-                               retarget=_lazy("bnb_codec", "retarget_4bit")))
+                               bnb.four_bit_leaves, bnb.config_writer(True), "bnb.codec",
+                               fit=_lazy("bnb.codec", "fit_4bit", quant_type), plan=_lazy("bnb.codec", "plan_4bit"),
+                               requantize=_lazy("bnb.codec", "requantize_4bit"),
+                               retarget=_lazy("bnb.codec", "retarget_4bit")))
 
 
 _register_targets()

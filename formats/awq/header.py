@@ -41,10 +41,10 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-from ..errors import CorruptCheckpoint, UnsupportedFormat
-from . import gptq
-from .layout import QuantModule, common, int_scheme, natural_key
-from .safetensors_header import DTYPES, TensorInfo
+from ...errors import CorruptCheckpoint, UnsupportedFormat
+from ..gptq import header as gptq
+from ..core.layout import QuantModule, common, int_scheme, natural_key
+from ..storage.safetensors_header import DTYPES, TensorInfo
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)

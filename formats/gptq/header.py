@@ -18,8 +18,8 @@ import re
 from collections import Counter, defaultdict
 from typing import Mapping
 
-from .layout import QuantModule, common, examples, int_scheme, natural_key
-from .safetensors_header import DTYPES, TensorInfo
+from ..core.layout import QuantModule, common, examples, int_scheme, natural_key
+from ..storage.safetensors_header import DTYPES, TensorInfo
 
 STATE_LEAVES = ("qzeros", "scales", "g_idx")
 _WORD_DTYPES = {"I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64"}

@@ -29,7 +29,8 @@ class QuantModule:
     weight_tensors: tuple[str, ...]  # stored codes: counted as parameters
     state_tensors: tuple[str, ...]   # quantization state: scales, zeros, absmax, g_idx, ...
     group_size: int | None = None    # GPTQ group (-1: one group per output channel); bnb4 blocksize
-    details: Mapping = field(default_factory=dict)
+    details: Mapping = field(default_factory=dict)   # the family's; every e4m3 module has "block_rows"
+                                     # (rows sharing a scale: 1 per channel, 0 per tensor) and "scales_dtype"
     problems: tuple[str, ...] = ()
 
     @property

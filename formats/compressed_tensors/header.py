@@ -43,12 +43,12 @@ import struct
 import re
 from typing import TYPE_CHECKING, Iterable, Mapping
 
-from ..errors import CorruptCheckpoint, UnsupportedFormat
-from .layout import QuantModule, int_scheme, natural_key
-from .safetensors_header import DTYPES, TensorInfo, read_small_tensors
+from ...errors import CorruptCheckpoint, UnsupportedFormat
+from ..core.layout import QuantModule, int_scheme, natural_key
+from ..storage.safetensors_header import DTYPES, TensorInfo, read_small_tensors
 
 if TYPE_CHECKING:                    # numpy-backed; only read by attribute here
-    from .ir import QuantSpec
+    from ..core.ir import QuantSpec
 
 QUANT_METHOD = "compressed-tensors"
 PACKED = "pack-quantized"

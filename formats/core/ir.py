@@ -16,6 +16,18 @@ Code-book schemes (bitsandbytes nf4 / fp4), over the row-major flattened weight:
 
 where absmax is already decoded from double quantization (kept in ``double_quant`` too, so that a
 bitsandbytes write can reproduce the stored bytes).
+
+Floating-point code books (FP8 e4m3: 256 values, FORMATS.md §10.1), grouped along each row like the
+integers, codes [out, in]::
+
+    w[o, i] = codebook[codes[o, i]] * scales[o, g],   g = i // group_size (group_size -1: one per row)
+
+A two-dimensional block of ``block_rows`` x ``group_size`` (fine-grained FP8's 128 x 128, with a
+last partial block where a dimension is not a multiple) is stored with one scale per block; here its
+scale is repeated on each of its rows, and ``block_rows`` says how many rows share it (a per-tensor
+scale: every row). float32(code) * float32(scale) is exact (4 significant bits times at most 24 fit
+in float32), so this is transformers' float32 product and, rounded once to float16 / bfloat16,
+compressed-tensors' product in the scale's dtype.
 """
 
 from __future__ import annotations
@@ -25,9 +37,13 @@ from dataclasses import dataclass
 import numpy as np
 
 
+FLAT_SCHEMES = ("nf4", "fp4")        # code books over the flattened weight (bitsandbytes' blocks)
+ROW_SCHEMES = ("e4m3",)              # code books grouped along each row, as the integers
+
+
 @dataclass(frozen=True)
 class QuantSpec:
-    scheme: str                      # "int" | "nf4" | "fp4"
+    scheme: str                      # "int" | "nf4" | "fp4" | "e4m3"
     bits: int
     group_size: int                  # int: inputs per group, -1 = per output row; nf4/fp4: blocksize
     symmetric: bool
@@ -37,17 +53,23 @@ class QuantSpec:
     # On-disk variant of the source, made explicit; writers decide deliberately what to emit.
     zero_encoding: str | None = None     # GPTQ qzeros: "v1" (stored z-1) | "v2" (stored z)
     storage: str | None = None           # bitsandbytes 4-bit quant storage dtype code ("U8", "BF16", ...)
+    block_rows: int = 1                  # rows sharing one scale (a 2-D block; 0: every row, per tensor)
 
     def __post_init__(self):
-        if self.scheme not in ("int", "nf4", "fp4"):
+        if self.scheme not in ("int",) + FLAT_SCHEMES + ROW_SCHEMES:
             raise ValueError(f"unknown scheme {self.scheme!r}")
         if self.scheme != "int" and (self.codebook is None or len(self.codebook) != 1 << self.bits):
             raise ValueError(f"{self.scheme} needs a codebook of {1 << self.bits} values")
 
     @property
     def name(self) -> str:
-        """Report name: int8, int4, nf4, fp4, ..."""
+        """Report name: int8, int4, nf4, fp4, e4m3, ..."""
         return f"int{self.bits}" if self.scheme == "int" else self.scheme
+
+    @property
+    def flat(self) -> bool:
+        """Codes and blocks run over the flattened weight (bitsandbytes 4-bit), not along each row."""
+        return self.scheme in FLAT_SCHEMES
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,8 +94,8 @@ class QuantTensor:
     spec: QuantSpec
     shape: tuple[int, int]           # logical [out, in]
     dtype: str                       # the weight's original dtype: "float16", "bfloat16", "float32"
-    codes: np.ndarray                # uint8; int: [out, in]; nf4/fp4: [out * in]
-    scales: np.ndarray               # float32; int: [out, G]; nf4/fp4: [n_blocks] (decoded absmax)
+    codes: np.ndarray                # uint8; int, e4m3: [out, in]; nf4/fp4: [out * in]
+    scales: np.ndarray               # float32; int, e4m3: [out, G]; nf4/fp4: [n_blocks] (decoded absmax)
     zeros: np.ndarray | None = None  # int: [out, G] true zero points
     g_idx: np.ndarray | None = None  # int: [in], None = contiguous groups (i // group_size)
     double_quant: DoubleQuant | None = None
@@ -94,21 +116,28 @@ class QuantTensor:
         rows = r1 - r0
         if rows <= 0 or inp == 0:                   # a zero-size weight (its group size may be unknown)
             return np.zeros((max(rows, 0), inp), np.float32)
-        if self.spec.scheme == "int":
-            w = self.codes[r0:r1].astype(np.float32)            # q - z is exact in float32
-            z = self.zeros[r0:r1].astype(np.float32)
+        if not self.spec.flat:
+            if self.spec.scheme == "int":
+                w = self.codes[r0:r1].astype(np.float32)        # q - z is exact in float32
+                z = self.zeros[r0:r1].astype(np.float32)
+            else:
+                w = np.asarray(self.spec.codebook, dtype=np.float32)[self.codes[r0:r1]]
+                z = None
             s = self.scales[r0:r1]
-            n_groups, gs = z.shape[1], self.spec.group_size
+            n_groups, gs = s.shape[1], self.spec.group_size
             if n_groups == 1:
-                w -= z
+                if z is not None:
+                    w -= z
                 w *= s
             elif self.g_idx is None and gs > 0 and n_groups * gs == inp:
                 w3 = w.reshape(rows, n_groups, gs)
-                w3 -= z[:, :, None]
+                if z is not None:
+                    w3 -= z[:, :, None]
                 w3 *= s[:, :, None]
             else:
                 g = self.groups
-                w -= z[:, g]
+                if z is not None:
+                    w -= z[:, g]
                 w *= s[:, g]
             if self.spec.scale_divisor != 1:
                 w *= np.float32(1.0 / self.spec.scale_divisor)
@@ -127,7 +156,7 @@ class QuantTensor:
         """Rows per slab near target_elements; for code books, whole blocks per slab."""
         inp = max(self.shape[1], 1)
         rows = max(1, target_elements // inp)
-        if self.spec.scheme != "int":
+        if self.spec.flat:
             step = self.spec.group_size // np.gcd(inp, self.spec.group_size)
             rows = max(step, rows // step * step)
         return rows

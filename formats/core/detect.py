@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from . import bnb
-from .checkpoint import Component
+from ..bnb import header as bnb
+from ..storage.checkpoint import Component
 from .layout import QuantModule, natural_key
 from .registry import decoded_config_methods, families, family
-from .safetensors_header import TensorInfo
+from ..storage.safetensors_header import TensorInfo
 
 # Report names of families and config methods (a config method that is not a family's name, such as
 # auto-round, names itself).
@@ -24,8 +24,10 @@ DECODED_METHODS = decoded_config_methods()   # config methods qconv reads
 QUANT_LEAVES = (".qweight", ".qzeros", ".g_idx", ".SCB", ".CB", ".weight_format", ".weight.absmax",
                 ".weight.quant_map", ".weight.nested_absmax", ".weight.nested_quant_map",
                 ".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx",
-                ".weight_scale_inv", ".weight_global_scale")
+                ".weight_scale_inv", ".weight_global_scale", "_scale_inv")
 INTEGER_DTYPES = frozenset({"I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64"})
+# FP8 values are quantized data wherever they are (an e4m3 weight, fused e4m3 experts, e8m0 scales).
+FP8_DTYPES = frozenset({"F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2", "F8_E5M2FNUZ", "F8_E8M0"})
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ def unaccounted_tensors(tensors: Mapping[str, TensorInfo], claimed: set[str]) ->
     """Tensors that hold quantized data (QUANT_LEAVES, a bitsandbytes quant_state, an integer weight
     matrix) but belong to no decoded module, in natural order."""
     return tuple(sorted((n for n, info in tensors.items() if n not in claimed and (
-        n.endswith(QUANT_LEAVES) or ".weight.quant_state." in n
+        n.endswith(QUANT_LEAVES) or ".weight.quant_state." in n or info.dtype in FP8_DTYPES
         or (n.endswith(".weight") and len(info.shape) == 2 and info.dtype in INTEGER_DTYPES))),
         key=natural_key))
 

@@ -27,9 +27,9 @@ import math
 import re
 from typing import Mapping
 
-from ..errors import CorruptCheckpoint
-from .layout import QuantModule, common, examples, natural_key
-from .safetensors_header import FLOAT_DTYPES, TensorInfo, read_small_tensors
+from ...errors import CorruptCheckpoint
+from ..core.layout import QuantModule, common, examples, natural_key
+from ..storage.safetensors_header import FLOAT_DTYPES, TensorInfo, read_small_tensors
 
 QS_PREFIX = ".weight.quant_state.bitsandbytes__"
 
@@ -319,7 +319,7 @@ def lint(qc: Mapping, modules: list[QuantModule], all_modules: set[str], comp, w
 
 
 # ---------------------------------------------------------------------------------------------
-# Writers: the registry targets bnb8, bnb4-nf4 and bnb4-fp4 (formats/registry.py). What they store and
+# Writers: the registry targets bnb8, bnb4-nf4 and bnb4-fp4 (formats/core/registry.py). What they store and
 # their quantization_config, from specs alone (stdlib); fitting specs, planning double quant and encoding
 # the data are bnb_codec.py's.
 

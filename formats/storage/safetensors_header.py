@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Mapping
 
-from ..errors import CorruptCheckpoint
+from ...errors import CorruptCheckpoint
 
 # safetensors dtype code -> (bits per element, torch dtype name). The single source of dtype truth.
 DTYPES: Mapping[str, tuple[int, str]] = {

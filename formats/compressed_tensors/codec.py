@@ -1,5 +1,5 @@
 """compressed-tensors tensor data <-> QuantTensor (the layout, from headers, and the config are
-compressed_tensors.py).
+header.py beside it).
 
 In a QuantTensor the codes are unsigned: the stored value q + 2^(b-1) (what pack-quantized writes,
 and int-quantized's signed I8 plus 2^(b-1)), against zero points zp + 2^(b-1) (2^(b-1) everywhere for
@@ -15,14 +15,14 @@ from typing import Mapping
 
 import numpy as np
 
-from ..errors import CorruptCheckpoint, UnsupportedFormat
-from .compressed_tensors import (INT, NAIVE, PACKED, READABLE_FORMATS, _PADDED_BITS, _SCALE_DTYPES,
+from ...errors import CorruptCheckpoint, UnsupportedFormat
+from .header import (INT, NAIVE, PACKED, READABLE_FORMATS, _PADDED_BITS, _SCALE_DTYPES,
                                  _padded_range, check, leaves, padded_layout_message)
-from .ir import QuantSpec, QuantTensor
-from .layout import QuantModule
-from .packing import pack_int32, unpack_int32
-from .safetensors_header import TensorInfo
-from .tensor_io import encode_float, finite_scales, read_array, to_float32
+from ..core.ir import QuantSpec, QuantTensor
+from ..core.layout import QuantModule
+from ..core.packing import pack_int32, unpack_int32
+from ..storage.safetensors_header import TensorInfo
+from ..storage.tensor_io import encode_float, finite_scales, read_array, to_float32
 
 __all__ = ["read", "encode", "leaves", "pack_dense", "unpack_dense"]
 

@@ -9,13 +9,13 @@ from typing import Mapping
 
 import numpy as np
 
-from ..errors import CorruptCheckpoint, UnsupportedFormat
-from .bnb import FOUR_BIT_TARGETS, packed_items, quant_state_json
-from .ir import DoubleQuant, QuantSpec, QuantTensor
-from .layout import QuantModule
-from .packing import unpack_nibbles_high_first
-from .safetensors_header import TensorInfo
-from .tensor_io import finite_scales, read_array
+from ...errors import CorruptCheckpoint, UnsupportedFormat
+from .header import FOUR_BIT_TARGETS, packed_items, quant_state_json
+from ..core.ir import DoubleQuant, QuantSpec, QuantTensor
+from ..core.layout import QuantModule
+from ..core.packing import unpack_nibbles_high_first
+from ..storage.safetensors_header import TensorInfo
+from ..storage.tensor_io import finite_scales, read_array
 
 # bitsandbytes' 4-bit code books, index -> value (get_4bit_type; FORMATS.md §2.3). Dequantization uses
 # these, as bitsandbytes' own kernels do, not the quant_map copy stored beside each weight.
@@ -213,7 +213,7 @@ def encode_int8(qt: QuantTensor) -> dict[str, tuple[str, np.ndarray]]:
 
 
 def encode_4bit(qt: QuantTensor) -> dict[str, tuple[str, np.ndarray]]:
-    from .packing import pack_nibbles_high_first
+    from ..core.packing import pack_nibbles_high_first
 
     storage = qt.spec.storage or "U8"
     packed = pack_nibbles_high_first(qt.codes)
@@ -284,7 +284,7 @@ def scb_from_scales(s: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# The registry targets' hooks (formats/registry.py, Target): bnb8 and bnb4-nf4 / bnb4-fp4
+# The registry targets' hooks (formats/core/registry.py, Target): bnb8 and bnb4-nf4 / bnb4-fp4
 
 def encode_for(target: str, qt: QuantTensor, spec: QuantSpec, g_idx: bool) -> dict[str, tuple[str, np.ndarray]]:
     """The tensors of one module, as bnb.int8_leaves / bnb.four_bit_leaves predict them (bitsandbytes

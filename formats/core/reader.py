@@ -4,9 +4,9 @@ and before anything is written, whether it can be decoded at all (require_decoda
 
 from __future__ import annotations
 
-from ..errors import CorruptCheckpoint, UnsupportedFormat
-from .bnb import FLOAT_NAMES
-from .checkpoint import Component
+from ...errors import CorruptCheckpoint, UnsupportedFormat
+from ..bnb.header import FLOAT_NAMES
+from ..storage.checkpoint import Component
 from .detect import DECODED_METHODS, Detection, detect
 from .ir import QuantTensor
 from .layout import QuantModule, module_of
