@@ -33,7 +33,7 @@ from ..formats.core.registry import AUTO_ROUND_AWQ_TARGET, ModuleContext, WriteC
 from ..formats.core.detect import METHOD_NAMES, Detection
 from ..formats.bnb.codec import STORAGE_CODES, scb_from_scales as _scb_from_scales  # noqa: F401 (tests import it here)
 from ..formats.core.ir import QuantSpec, QuantTensor
-from ..formats.core.minifloat import E4M3_BOOK
+from ..formats.core.minifloat import BOOKS
 from ..formats.core.layout import QuantModule, examples, natural_key
 from ..formats.core.reader import model_dtype, read_module, require_decodable
 from ..formats.storage.safetensors_header import DTYPES, FLOAT_DTYPES
@@ -549,9 +549,11 @@ def _source_spec(comp, det: Detection, m: QuantModule, src_dtype: str) -> QuantS
         return FloatSpec(m.scheme)
     if m.family == "bnb8":
         return QuantSpec("int", 8, -1, True, scale_divisor=127)
-    if m.scheme == "e4m3":                      # every FP8 dialect (layout.QuantModule details)
-        return QuantSpec("e4m3", 8, m.group_size or -1, True, codebook=E4M3_BOOK,
-                         scale_dtype=m.details.get("scales_dtype") or "F32", block_rows=m.details["block_rows"])
+    if m.scheme in BOOKS:                       # every FP8 / FP4 dialect (layout.QuantModule details)
+        bits, book = BOOKS[m.scheme]
+        return QuantSpec(m.scheme, bits, m.group_size or -1, True, codebook=book,
+                         scale_dtype=m.details.get("scales_dtype") or "F32", block_rows=m.details.get("block_rows", 1),
+                         global_scale=m.details.get("global_scale"))
     if m.family == "bnb4":
         from ..formats.bnb.codec import CODEBOOKS
         return QuantSpec(m.scheme, 4, m.group_size, True, codebook=tuple(map(float, CODEBOOKS[m.scheme])),

@@ -43,6 +43,8 @@ def _expected_scheme(name, module):
     s = prov["settings"]
     if prov["producer"] == "bitsandbytes":
         return "int8" if s.get("load_in_8bit") == "True" else s["bnb_4bit_quant_type"]
+    if prov["producer"] == "transformers":           # FineGrainedFP8: e4m3 weights
+        return {"fp8": "e4m3"}[s["quantization_config"]["quant_method"]]
     if prov["producer"] == "llm-compressor":         # a preset, or config groups with re: / class targets
         if "scheme" in s:
             return {"W4A16": "int4", "W4A16_ASYM": "int4", "W8A16": "int8", "W8A8": "int8"}[json.loads(s["scheme"])]

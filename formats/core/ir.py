@@ -28,6 +28,13 @@ scale is repeated on each of its rows, and ``block_rows`` says how many rows sha
 scale: every row). float32(code) * float32(scale) is exact (4 significant bits times at most 24 fit
 in float32), so this is transformers' float32 product and, rounded once to float16 / bfloat16,
 compressed-tensors' product in the scale's dtype.
+
+FP4 (e2m1: 16 values, NVFP4 and MXFP4), codes [out, in] unpacked to one nibble a byte, grouped along each
+row (16 for NVFP4, 32 for MXFP4), ``scales`` the effective float32 scale of each group as the producer
+forms it before the product: NVFP4 has two levels, a stored e4m3 scale per group (``group_scales``,
+decoded to float32) and one float32 ``global_scale`` per tensor, which compressed-tensors DIVIDES by
+(``spec.global_scale == "divisor"``) and ModelOpt multiplies by (``"multiplier"``); both are kept so
+that a writer of either dialect can keep every code. MXFP4's e8m0 scales are powers of two (one level).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import numpy as np
 
 
 FLAT_SCHEMES = ("nf4", "fp4")        # code books over the flattened weight (bitsandbytes' blocks)
-ROW_SCHEMES = ("e4m3",)              # code books grouped along each row, as the integers
+ROW_SCHEMES = ("e4m3", "e2m1")      # code books grouped along each row, as the integers
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,7 @@ class QuantSpec:
     zero_encoding: str | None = None     # GPTQ qzeros: "v1" (stored z-1) | "v2" (stored z)
     storage: str | None = None           # bitsandbytes 4-bit quant storage dtype code ("U8", "BF16", ...)
     block_rows: int = 1                  # rows sharing one scale (a 2-D block; 0: every row, per tensor)
+    global_scale: str | None = None      # two-level scales (NVFP4): "divisor" | "multiplier" (None: one level)
 
     def __post_init__(self):
         if self.scheme not in ("int",) + FLAT_SCHEMES + ROW_SCHEMES:
@@ -99,6 +107,8 @@ class QuantTensor:
     zeros: np.ndarray | None = None  # int: [out, G] true zero points
     g_idx: np.ndarray | None = None  # int: [in], None = contiguous groups (i // group_size)
     double_quant: DoubleQuant | None = None
+    group_scales: np.ndarray | None = None   # two-level scales: the stored per-group level, float32 [out, G]
+    global_scale: np.float32 | None = None   # ... and the per-tensor level (spec.global_scale says how)
 
     @property
     def groups(self) -> np.ndarray:

@@ -29,8 +29,10 @@ class QuantModule:
     weight_tensors: tuple[str, ...]  # stored codes: counted as parameters
     state_tensors: tuple[str, ...]   # quantization state: scales, zeros, absmax, g_idx, ...
     group_size: int | None = None    # GPTQ group (-1: one group per output channel); bnb4 blocksize
-    details: Mapping = field(default_factory=dict)   # the family's; every e4m3 module has "block_rows"
-                                     # (rows sharing a scale: 1 per channel, 0 per tensor) and "scales_dtype"
+    details: Mapping = field(default_factory=dict)   # the family's; every e4m3 / e2m1 module (core/minifloat.py
+                                     # BOOKS) has "scales_dtype", "block_rows" (rows sharing a scale: 1 per
+                                     # channel, 0 per tensor; absent: 1) and, with two-level scales (NVFP4),
+                                     # "global_scale" ("divisor" | "multiplier"; QuantSpec.global_scale)
     problems: tuple[str, ...] = ()
 
     @property

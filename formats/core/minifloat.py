@@ -22,6 +22,8 @@ E4M3_BOOK = tuple(float(v) for v in E4M3)   # the code book of every e4m3 QuantS
 E4M3_MAX = 448.0
 E4M3_NAN = (0x7F, 0xFF)
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+E2M1_BOOK = tuple(float(v) for v in E2M1)   # the code book of every e2m1 QuantSpec (one object)
+BOOKS = {"e4m3": (8, E4M3_BOOK), "e2m1": (4, E2M1_BOOK)}   # scheme -> (bits, code book)
 
 
 def e8m0(b: np.ndarray) -> np.ndarray:

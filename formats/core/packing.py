@@ -141,3 +141,21 @@ def pack_nibbles_high_first(codes: np.ndarray) -> np.ndarray:
     if c.size % 2:
         c = np.concatenate([c, np.zeros(1, np.uint8)])
     return ((c[0::2] << 4) | c[1::2]).astype(np.uint8)
+
+
+def unpack_nibbles_low_first(packed: np.ndarray) -> np.ndarray:
+    """FP4 bytes [..., n/2] (compressed-tensors NVFP4 / MXFP4, ModelOpt NVFP4, gpt-oss MXFP4: element 2i in
+    the LOW nibble, 2i + 1 in the high one) -> uint8 codes [..., n]."""
+    b = np.ascontiguousarray(packed).view(np.uint8)
+    out = np.empty(b.shape[:-1] + (b.shape[-1] * 2,), dtype=np.uint8)
+    out[..., 0::2] = b & 0x0F
+    out[..., 1::2] = b >> 4
+    return out
+
+
+def pack_nibbles_low_first(codes: np.ndarray) -> np.ndarray:
+    """The inverse of unpack_nibbles_low_first: codes [..., n] (n even) -> bytes [..., n/2]."""
+    c = np.asarray(codes, dtype=np.uint8)
+    if c.shape[-1] % 2:
+        raise ValueError(f"{c.shape[-1]} FP4 codes a row do not fill whole bytes")
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).astype(np.uint8)
