@@ -105,6 +105,22 @@ class InspectOptions:
     strict: bool = False           # a warning fails the check (CheckFailed, exit 1)
 
 
+def parse_block_size(value) -> tuple[int, int] | None:
+    """An FP8 block: "128x128" (or "128,128"), a pair of positive ints, or None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        parts = value.lower().replace(",", "x").split("x")
+        try:
+            value = tuple(int(p) for p in parts)
+        except ValueError:
+            value = None
+    if (not isinstance(value, (tuple, list)) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise UsageError(f"{_what('block_size')} {value!r} is not a block size: use ROWSxCOLS, e.g. 128x128")
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class ConvertOptions:
     """What ``qconv convert`` / ``qconv.convert`` takes. None means "the source's" (see ``qconv convert --help``)."""
@@ -116,6 +132,7 @@ class ConvertOptions:
     blocksize: int | None = None           # bnb4 targets
     double_quant: bool | None = None       # bnb4 targets
     quant_storage: str | None = None       # bnb4 targets
+    block_size: tuple[int, int] | str | None = None   # fp8 targets: (rows, cols) or "128x128"
     validate: bool = False                 # check every layer against SRC before DST is published
     overwrite: bool = False
     max_shard_size: int | str = DEFAULT_MAX_SHARD
@@ -131,6 +148,7 @@ class ConvertOptions:
         _choice("scale_dtype", self.scale_dtype, SCALE_DTYPES)
         _choice("blocksize", self.blocksize, BLOCKSIZES)
         _choice("quant_storage", self.quant_storage, QUANT_STORAGES)
+        object.__setattr__(self, "block_size", parse_block_size(self.block_size))
         object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
 
     def conversion(self):
@@ -138,7 +156,7 @@ class ConvertOptions:
         from .convert.convert import Options
 
         return Options(self.to, self.bits, self.group_size, self.sym, self.scale_dtype, self.blocksize,
-                       self.double_quant, self.quant_storage, source=self.source)
+                       self.double_quant, self.quant_storage, block_size=self.block_size, source=self.source)
 
 
 @dataclass(frozen=True)
@@ -286,17 +304,18 @@ def _run_convert(src, dst, opts: ConvertOptions, progress: ProgressCallback | No
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str, bits: int | None = None,
             group_size: int | None = None, sym: bool | None = None, scale_dtype: str | None = None,
             blocksize: int | None = None, double_quant: bool | None = None, quant_storage: str | None = None,
-            validate: bool = False, overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD,
-            progress: ProgressCallback | None = None) -> ConvertResult:
+            block_size: tuple[int, int] | str | None = None, validate: bool = False, overwrite: bool = False,
+            max_shard_size: int | str = DEFAULT_MAX_SHARD, progress: ProgressCallback | None = None) -> ConvertResult:
     """Rewrite ``src`` as ``to`` (``targets()``: gptq, gptq-v2, auto-round, compressed-tensors,
     compressed-tensors-w8a8, awq, bnb8, bnb4-nf4, bnb4-fp4, float16, bfloat16, float32) at ``dst``, keeping
     every code where the arithmetic allows and requantizing (error reported in ``result.requantized``)
     where it does not. None means "the source's" for bits, group_size (-1: one group per row), sym and
-    scale_dtype; blocksize, double_quant and quant_storage apply to the bnb4 targets. validate=True checks
+    scale_dtype; blocksize, double_quant and quant_storage apply to the bnb4 targets, block_size ((rows, cols)
+    or "128x128") to fp8. validate=True checks
     every layer against ``src`` before ``dst`` is published (``ValidationFailed`` otherwise, nothing
     written). ``dst`` must not exist or be empty unless overwrite=True. max_shard_size: bytes or "5GB"."""
     opts = ConvertOptions(to, bits, group_size, sym, scale_dtype, blocksize, double_quant, quant_storage,
-                          validate, overwrite, max_shard_size)
+                          block_size=block_size, validate=validate, overwrite=overwrite, max_shard_size=max_shard_size)
     return _run_convert(src, dst, opts, progress)
 
 

@@ -208,9 +208,11 @@ def _common(fn):
               help="bnb4 targets: keep the source's double quantization (default) or drop it.")
 @click.option("--quant-storage", type=click.Choice(api.QUANT_STORAGES), default=None,
               help="bnb4 targets: storage dtype of the packed weight (default: the source's, else uint8).")
+@click.option("--block-size", default=None, metavar="ROWSxCOLS",
+              help="fp8: the 2-D block of each scale (default: the source's FP8 block, else 128x128).")
 @_common
 def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, double_quant, quant_storage,
-                overwrite, max_shard_size, as_json, validate) -> int:
+                block_size, overwrite, max_shard_size, as_json, validate) -> int:
     """Rewrite SRC in another format at DST, keeping every integer code where the arithmetic allows
     (bnb8 <-> GPTQ 8-bit per-row symmetric or compressed-tensors W8A8 / W8A16 per channel; GPTQ v1 <-> v2
     <-> auto-round <-> compressed-tensors <-> AWQ where the bits, groups and zero points fit). W8A8 also
@@ -222,7 +224,7 @@ def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, dou
     """
     result = api.convert(src, dst, to=to, bits=bits, group_size=group_size, sym=sym, scale_dtype=scale_dtype,
                          blocksize=int(blocksize) if blocksize else None, double_quant=double_quant,
-                         quant_storage=quant_storage, validate=validate, overwrite=overwrite,
+                         quant_storage=quant_storage, block_size=block_size, validate=validate, overwrite=overwrite,
                          max_shard_size=max_shard_size, progress=_progress())
     return _show_convert(result, as_json)
 

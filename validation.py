@@ -54,7 +54,7 @@ import math
 import sys
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +118,10 @@ class Entry:
         return ULP.get(m.details.get("scales_dtype"), ULP["F32"])
 
 
+# transformers 5's fused expert tensors (layout.QuantModule.experts): compared as their stacked rows.
+FUSED_EXPERTS = ("gate_up_proj", "down_proj")
+
+
 class Side:
     def __init__(self, comp: Component):
         self.comp = comp
@@ -125,9 +129,14 @@ class Side:
         self.dtype = model_dtype(comp, self.det)
         self.entries: dict[str, Entry] = {m.name: Entry(m.name, m, None) for m in self.det.modules}
         for name, info in comp.tensors.items():
-            if (name.endswith(".weight") and len(info.shape) == 2 and info.dtype in FLOAT_DTYPES
-                    and name not in self.det.claimed_tensors):
+            if info.dtype not in FLOAT_DTYPES or name in self.det.claimed_tensors:
+                continue
+            if name.endswith(".weight") and len(info.shape) == 2:
                 self.entries.setdefault(name[: -len(".weight")], Entry(name[: -len(".weight")], None, info))
+            elif len(info.shape) == 3 and name.rsplit(".", 1)[-1] in FUSED_EXPERTS:
+                # fused experts [E, R, in], as a quantized fused module reads them: E * R rows of in
+                flat = replace(info, shape=(info.shape[0] * info.shape[1], info.shape[2]))
+                self.entries.setdefault(name, Entry(name, None, flat))
 
     def shape(self, name: str) -> tuple[int, int]:
         e = self.entries[name]
@@ -214,7 +223,7 @@ def dequantize_block(qt: QuantTensor, r0: int, r1: int, device):
             w.mul_(s[:, g])
         if qt.spec.scale_divisor != 1:
             w.mul_(torch.tensor(np.float32(1.0 / qt.spec.scale_divisor), device=device))
-        return w
+        return _product_rounded(qt, w)
     book = torch.tensor(np.asarray(qt.spec.codebook, dtype=np.float32), device=device)
     bs = qt.spec.group_size
     j0, j1 = r0 * inp, r1 * inp
@@ -224,7 +233,17 @@ def dequantize_block(qt: QuantTensor, r0: int, r1: int, device):
     else:
         b0 = j0 // bs
         w.mul_(dev(qt.scales[b0:(j1 - 1) // bs + 1])[torch.arange(j0, j1, device=device) // bs - b0])
-    return w.view(rows, inp)
+    return _product_rounded(qt, w.view(rows, inp))
+
+
+def _product_rounded(qt: QuantTensor, w):
+    """The float32 product as the producer leaves it: rounded through bfloat16 where QuantTensor
+    .product_dtype says so (the same round to nearest even as numpy's round_to_bfloat16)."""
+    if qt.product_dtype is None:
+        return w
+    import torch
+
+    return w.to(torch.bfloat16).to(torch.float32)
 
 
 def _roundings(qt: QuantTensor) -> int:
@@ -246,6 +265,8 @@ def settle_by_codes(qa: QuantTensor | None, qb: QuantTensor | None, w_rel: float
     weight, and names the first one off."""
     if qa is None or qb is None or qa.shape != qb.shape or qa.spec.scheme != qb.spec.scheme:
         return None
+    if qa.product_dtype != qb.product_dtype:        # one side rounds its products, the other does not
+        return None
     if qa.scales.shape != qb.scales.shape:
         return None
     if qa.spec.scheme == "int":
@@ -259,7 +280,7 @@ def settle_by_codes(qa: QuantTensor | None, qb: QuantTensor | None, w_rel: float
         return None
     if qa.spec.scale_divisor == qb.spec.scale_divisor and np.array_equal(qa.scales, qb.scales):
         return "identical"
-    if w_rel == 0.0:
+    if w_rel == 0.0 or qa.product_dtype is not None:   # the bound below counts float32 roundings only
         return None
     a = np.abs(qa.scales.astype(np.float64) / qa.spec.scale_divisor)
     b = np.abs(qb.scales.astype(np.float64) / qb.spec.scale_divisor)

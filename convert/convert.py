@@ -61,6 +61,7 @@ class Options:
     blocksize: int | None = None        # None: the source's, else 64
     double_quant: bool | None = None    # None: the source's, else off
     quant_storage: str | None = None    # None: the source's, else uint8
+    block_size: tuple[int, int] | None = None   # FP8 targets' 2-D block (None: the source's, else 128 x 128)
     source: str | None = None           # the only source method accepted (bnb8-to-gptq: "bnb8")
 
 
@@ -112,6 +113,7 @@ class FloatWeight:
         return self.values
 
 
+_ROUTERS = ("gate", "router", "shared_expert_gate")
 _VISION = re.compile(r"(^|\.)(visual|vision[a-z_]*)(\.|$)")
 
 
@@ -119,12 +121,15 @@ def _data_free_modules(comp: Component) -> list[QuantModule]:
     """The Linears of an unquantized component that quantizers quantize: 2-D float16/bfloat16/float32
     `.weight` tensors inside the numbered decoder stacks (model.layers.N...), as auto-round does by
     default. Embeddings, lm_head and norms sit outside the stacks or are not 2-D; vision towers
-    (`visual`, `vision*` in the name) stay float, as auto-round leaves them for multimodal models."""
+    (`visual`, `vision*` in the name) stay float, as auto-round leaves them for multimodal models, and
+    so do MoE routers (`mlp.gate`, `router`, `shared_expert_gate`: [experts, hidden], which every
+    quantizer of MoE models leaves in float: llm-compressor's and transformers' FP8, GPTQModel)."""
     modules = []
     for name in _linear_modules(comp):
         info = comp.tensors[name + ".weight"]
+        leaf = name.rsplit(".", 1)[-1]
         if info.dtype in FLOAT_NAMES and min(info.shape) > 0 and block_prefix(name) \
-                and not _VISION.search(name) and "embed" not in name.rsplit(".", 1)[-1]:
+                and not _VISION.search(name) and "embed" not in leaf and leaf not in _ROUTERS:
             out, inp = info.shape
             modules.append(QuantModule(name, "float", FLOAT_NAMES[info.dtype], DTYPES[info.dtype][0], out, inp,
                                        (info.name,), (), details={"dtype": FLOAT_NAMES[info.dtype]}))
@@ -534,6 +539,14 @@ def _check_source(comp: Component, det: Detection, opts: Options) -> list[QuantM
         raise UnsupportedFormat(f"is {det.method}, not {METHOD_NAMES[opts.source]}; this verb converts "
                                 f"only {METHOD_NAMES[opts.source]} checkpoints (use `qconv convert --to "
                                 f"{opts.to}` for other sources)", file=where)
+    fused = [m for m in det.modules if m.experts]
+    if fused and opts.to in PACKED_TARGETS and not registered_target(opts.to).caps.fused_experts:
+        m = fused[0]
+        raise UnsupportedFormat(f"holds fused MoE experts ({m.experts} experts in one [{m.experts}, "
+                                f"{m.out_features // m.experts}, {m.in_features}] tensor); {opts.to} stores one "
+                                f"Linear per expert and qconv does not split fused experts: `qconv dequantize` "
+                                f"keeps the fused layout", file=comp.tensors[m.weight_tensors[0]].file,
+                                tensor=m.name)
     if det.modules or opts.to in FLOAT_TARGETS:
         return list(det.modules)
     modules = _data_free_modules(comp)

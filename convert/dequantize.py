@@ -61,7 +61,7 @@ def _dequantized(comp: Component, det: Detection, m: QuantModule, code: str, src
             qt = read_module(comp, det, m, src_dtype, None if (w0, w1) == (0, m.out_features) else (w0, w1))
             rows, n = qt.slab_rows(), w1 - w0
             yield from ordered(lambda r0: rows_of(qt, r0, min(r0 + rows, n)), range(0, n, rows))
-    return OutTensor(m.name + ".weight", code, (m.out_features, m.in_features), chunks)
+    return OutTensor(m.float_name, code, m.float_shape, chunks)
 
 
 def read_windows(m: QuantModule) -> list[tuple[int, int]]:
@@ -79,9 +79,10 @@ def read_windows(m: QuantModule) -> list[tuple[int, int]]:
 
 def plan_component(comp: Component, det: Detection, code: str) -> list[OutTensor]:
     """Every output tensor, predicted from headers: quantized modules become `<module>.weight` of the
-    target dtype; their state is dropped; floating tensors are cast; the rest is copied."""
+    target dtype (fused experts: the stored 3-D tensor's name and shape, QuantModule.float_name); their
+    state is dropped; floating tensors are cast; the rest is copied."""
     src_dtype = model_dtype(comp, det)
-    out = {m.name + ".weight": _dequantized(comp, det, m, code, src_dtype) for m in det.modules}
+    out = {m.float_name: _dequantized(comp, det, m, code, src_dtype) for m in det.modules}
     claimed = det.claimed_tensors
     for name, info in comp.tensors.items():
         if name not in claimed:          # require_decodable refused a plain weight in a module's place

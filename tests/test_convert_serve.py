@@ -103,6 +103,9 @@ def test_w8a8_config_is_llm_compressors(tmp_path):
     ("llama-bnb8", "compressed-tensors", 0.01),
     ("llama-gptq-w4g128-actorder", "compressed-tensors", 0.01),
     ("llama-awq-w4g64-sym", "compressed-tensors", 0.01),
+    ("llama-fp8-block", "compressed-tensors-w8a8", 0.03),        # FP8 -> what Ampere / CPUs run (issue 17)
+    ("llama-fp8-block", "compressed-tensors", 0.01),
+    ("qwen3moe-fp8-block", "compressed-tensors", 0.01),
 ])
 def test_compressed_tensors_outputs_load_in_transformers(tmp_path, src, to, tol):
     """transformers (compressed-tensors installed) loads the output as compressed-tensors, and its

@@ -3,6 +3,7 @@ producers themselves say (their oracles, their settings, and the model transform
 
 import ast
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -45,9 +46,14 @@ def _expected_scheme(name, module):
         return "int8" if s.get("load_in_8bit") == "True" else s["bnb_4bit_quant_type"]
     if prov["producer"] == "transformers":           # FineGrainedFP8: e4m3 weights
         return {"fp8": "e4m3"}[s["quantization_config"]["quant_method"]]
+    if prov["producer"] == "modelopt":               # mtq.quantize with one of ModelOpt's preset configs
+        return {"FP8_DEFAULT_CFG": "e4m3", "NVFP4_DEFAULT_CFG": "e2m1"}[s["config"]]
     if prov["producer"] == "llm-compressor":         # a preset, or config groups with re: / class targets
-        if "scheme" in s:
-            return {"W4A16": "int4", "W4A16_ASYM": "int4", "W8A16": "int8", "W8A8": "int8"}[json.loads(s["scheme"])]
+        if "scheme" in s:                            # JSON-quoted by make_reference.py, bare by make_reference_fp.py
+            scheme = json.loads(s["scheme"]) if s["scheme"].startswith('"') else s["scheme"]
+            return {"W4A16": "int4", "W4A16_ASYM": "int4", "W8A16": "int8", "W8A8": "int8", "FP8": "e4m3",
+                    "FP8_DYNAMIC": "e4m3", "FP8_BLOCK": "e4m3", "NVFP4A16": "e2m1", "NVFP4": "e2m1",
+                    "MXFP4A16": "e2m1"}[scheme]
         for group in json.loads(s["config_groups"]).values():
             if any(t == "Linear" or re.match(t[3:], module) for t in group["targets"]):
                 return f"int{group['weights']['num_bits']}"
@@ -61,14 +67,15 @@ def test_modules_and_counts_match_the_producer_oracle(name):
     each module's scheme, and the logical parameter counts must all agree with it."""
     (report,) = _report(name)["components"]
     with safe_open(CHECKPOINTS / name / "oracle" / "dequant.safetensors", framework="pt") as f:
-        shapes = {k[: -len(".weight")]: f.get_slice(k).get_shape() for k in f.keys()}
+        # a module's weight is "<module>.weight"; fused experts are keyed by the stored 3-D tensor's name
+        shapes = {k.removesuffix(".weight"): f.get_slice(k).get_shape() for k in f.keys()}
     listed = {m: s for s, mods in report["quantized_modules"].items() for m in mods}
     assert sorted(listed) == sorted(shapes)
     expected_params: dict = {}
-    for module, (out, inp) in shapes.items():
+    for module, shape in shapes.items():
         scheme = _expected_scheme(name, module)
         assert listed[module] == scheme, module
-        expected_params[scheme] = expected_params.get(scheme, 0) + out * inp
+        expected_params[scheme] = expected_params.get(scheme, 0) + math.prod(shape)
     assert report["quantized_parameters"] == expected_params
     for names in report["quantized_modules"].values():          # natural order: layers.2 < layers.10
         assert names == sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])

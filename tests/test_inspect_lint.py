@@ -152,10 +152,10 @@ def test_non_row_weight_format(tmp_checkpoint):
 
 def test_config_with_unsupported_method_is_named(tmp_checkpoint):
     ckpt = tmp_checkpoint("llama-gptq-w8g128")
-    _edit_config(ckpt, lambda c: c["quantization_config"].update(quant_method="fp8"))
+    _edit_config(ckpt, lambda c: c["quantization_config"].update(quant_method="hqq"))
     (report,) = inspect_json(ckpt)["components"]
-    assert report["method"] == "fp8"
-    _one(report["warnings"], "'fp8' is not a format qconv decodes")
+    assert report["method"] == "hqq"
+    _one(report["warnings"], "'hqq' is not a format qconv decodes")
 
 
 def test_gptq_tensors_under_an_awq_config_do_not_pass_for_awq(tmp_checkpoint):

@@ -32,7 +32,7 @@ ST = "model.safetensors"
 REFUSALS = {2, 4, 5}
 FAMILY = {"llama-bnb8": "bnb8", "llama-bnb4-fp4": "bnb4", "llama-bnb4-nf4-dq": "bnb4",
           "llama-bnb4-nf4-bf16storage": "bnb4", "llama-gptq-w4g64-asym": "gptq4",
-          "llama-gptq-w4g128-actorder": "gptq4"}
+          "llama-gptq-w4g128-actorder": "gptq4", "llama-fp8-block": "fp8"}
 DTYPES = ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL",
           "F8_E4M3", "F8_E5M2"]
 
@@ -108,6 +108,24 @@ def _gptq4(ts: dict, m: str, group_size: int) -> np.ndarray:
     return (scales[g] * (q - z[g])).T
 
 
+def _fp8(ts: dict, m: str, block) -> np.ndarray:
+    """DeepSeek-V3's weight_dequant semantics in torch: float32(e4m3) times the scale of its block of the
+    config's weight_block_size, the last blocks partial."""
+    q, s = ts[m + ".weight"], ts[m + ".weight_scale_inv"]
+    if q.dtype != torch.float8_e4m3fn or q.dim() != 2 or s.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise Undecodable(f"{m}: {q.dtype} {tuple(q.shape)}, scale {s.dtype}")
+    out, inp = q.shape
+    b0, b1 = block
+    if tuple(s.shape) != (-(-out // b0), -(-inp // b1)):
+        raise Undecodable(f"{m}: scale {tuple(s.shape)} for {out} x {inp} in {block} blocks")
+    _finite(s, m + ".weight_scale_inv")
+    w = q.float()
+    if torch.isnan(w).any():
+        raise Undecodable(f"{m}: e4m3 NaN codes")
+    full = s.float().repeat_interleave(b0, 0)[:out].repeat_interleave(b1, 1)[:, :inp]
+    return (w * full).numpy()
+
+
 def reference_decode(fixture: str, folder: Path) -> dict[str, np.ndarray]:
     """Every tensor the mutated copy of FIXTURE should dequantize to, decoded without qconv, with the
     intact fixture's method (a config mutation must not change what the tensors say)."""
@@ -128,6 +146,8 @@ def reference_decode(fixture: str, folder: Path) -> dict[str, np.ndarray]:
                 w = _bnb8(ts, m)
             elif family == "bnb4":
                 w = _bnb4(ts, m)
+            elif family == "fp8":
+                w = _fp8(ts, m, config["quantization_config"]["weight_block_size"])
             else:
                 w = _gptq4(ts, m, config["quantization_config"]["group_size"])
         except KeyError as exc:
@@ -249,7 +269,8 @@ def test_header_mutation(data, fixture, kind):
 
 # Fields that legitimately change how the same tensors decode (zero-point convention and the writer it
 # implies, per-module overrides) are left out: for those a different result is not a wrong one.
-DECODING_FIELDS = {"checkpoint_format", "format", "packing_format", "meta", "dynamic", "extra_config"}
+DECODING_FIELDS = {"checkpoint_format", "format", "packing_format", "meta", "dynamic", "extra_config",
+                   "weight_block_size"}
 VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.floats(allow_nan=True),
                    st.text(max_size=6), st.sampled_from(["gptq", "awq", "bitsandbytes", "nf4", "fp4", "int8",
                                                         "float16", "bfloat16", "auto-round", "fp8"]),
@@ -287,6 +308,7 @@ STATE_TENSORS = {
     "llama-bnb4-nf4-dq": [".weight.absmax", ".weight.nested_absmax", ".weight.nested_quant_map"],
     "llama-gptq-w4g64-asym": [".scales", ".qzeros"],
     "llama-gptq-w4g128-actorder": [".scales", ".g_idx"],
+    "llama-fp8-block": [".weight_scale_inv", ".weight"],      # the e4m3 codes too: 0x7F / 0xFF are NaN
 }
 
 

@@ -180,7 +180,7 @@ def gptq_method_compressed_tensors(t):
     return d, CORRUPT, [ST, "belongs to no quantized module"]
 
 
-gptq_method_unknown = _method("fp8")
+gptq_method_unknown = _method("hqq")
 
 
 def _reference(name, method):
@@ -193,16 +193,97 @@ def _reference(name, method):
     return case
 
 
-reference_awq_as_fp8 = _reference("llama-awq-w4g128", "fp8")
-reference_compressed_tensors_as_fp8 = _reference("llama-ct-w4a16", "fp8")
+reference_awq_as_hqq = _reference("llama-awq-w4g128", "hqq")
+reference_compressed_tensors_as_hqq = _reference("llama-ct-w4a16", "hqq")
+
+
+def reference_awq_as_fp8(t):
+    """AWQ words under a fine-grained FP8 config: no FP8 module claims them."""
+    d = t / "awq"
+    shutil.copytree(REFERENCE / "llama-awq-w4g128", d, ignore=shutil.ignore_patterns("oracle"))
+    _edit_config(d, lambda c: c.update({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    return d, CORRUPT, [ST, "belongs to no quantized module"]
+
+
+# Fine-grained FP8 (transformers / DeepSeek, issue 17): transformers' own files, one thing broken.
+FP8 = "llama-fp8-block"
+MOE = "model.layers.0.mlp.experts"
+
+
+def _fp8_code(code):
+    def case(t):
+        d = copy_checkpoint(FP8, t)
+        _edit_tensors(d, lambda ts: ts[Q + ".weight"].view(torch.uint8).__setitem__((3, 5), code))
+        return d, CORRUPT, [ST, Q + ".weight", "e4m3 NaN codes", "[3, 5]"]
+    return case
+
+
+fp8_code_nan_positive = _fp8_code(0x7F)
+fp8_code_nan_negative = _fp8_code(0xFF)
+
+
+def fp8_scale_nan(t):
+    d = copy_checkpoint(FP8, t)
+    _edit_tensors(d, lambda ts: ts[Q + ".weight_scale_inv"].__setitem__((1, 1), float("nan")))
+    return d, CORRUPT, [ST, Q + ".weight_scale_inv", "non-finite"]
+
+
+def fp8_scale_inf(t):
+    d = copy_checkpoint(FP8, t)
+    _edit_tensors(d, lambda ts: ts[Q + ".weight_scale_inv"].__setitem__((0, 1), float("inf")))
+    return d, CORRUPT, [ST, Q + ".weight_scale_inv", "non-finite"]
+
+
+def fp8_scale_wrong_shape(t):
+    d = copy_checkpoint(FP8, t)
+    _edit_tensors(d, lambda ts: ts.update({Q + ".weight_scale_inv": ts[Q + ".weight_scale_inv"][:1].clone()}))
+    return d, CORRUPT, [ST, Q + ".weight", "weight_scale_inv has shape [1, 2]", "gives [2, 2]"]
+
+
+def fp8_scale_int_dtype(t):
+    d = copy_checkpoint(FP8, t)
+    _edit_tensors(d, lambda ts: ts.update({Q + ".weight_scale_inv": ts[Q + ".weight_scale_inv"].to(torch.int32)}))
+    return d, UNSUPPORTED, [ST, Q + ".weight", "weight_scale_inv is I32"]
+
+
+def fp8_block_size_contradicts_shapes(t):
+    d = copy_checkpoint(FP8, t)
+    _edit_config(d, lambda c: c["quantization_config"].update({"weight_block_size": [64, 64]}))
+    return d, CORRUPT, [ST, "weight_block_size [64, 64]", "gives"]
+
+
+def fp8_no_block_size_with_block_scales(t):
+    d = copy_checkpoint(FP8, t)
+    _edit_config(d, lambda c: c["quantization_config"].update({"weight_block_size": None}))
+    return d, CORRUPT, [ST, "no weight_block_size"]
+
+
+def fp8_fmt_e5m2(t):
+    d = copy_checkpoint(FP8, t)
+    _edit_config(d, lambda c: c["quantization_config"].update({"fmt": "e5m2"}))
+    return d, UNSUPPORTED, ["config.json", "fmt 'e5m2'"]
+
+
+def fp8_expert_scales_removed(t):
+    """Per-expert e4m3 weights whose fused scales are gone."""
+    d = copy_checkpoint("qwen3moe-fp8-block", t)
+    _edit_tensors(d, lambda ts: ts.pop(MOE + ".gate_up_proj_scale_inv"))
+    return d, CORRUPT, [ST, MOE + ".0.gate_proj.weight", "without a scale"]
+
+
+def fp8_fused_expert_scales_for_fewer_experts(t):
+    """Fused experts whose scales hold fewer experts than the weights."""
+    d = copy_checkpoint("qwen3moe-fp8-block-fused", t)
+    _edit_tensors(d, lambda ts: ts.update({MOE + ".down_proj_scale_inv": ts[MOE + ".down_proj_scale_inv"][:3].clone()}))
+    return d, CORRUPT, [ST, MOE + ".down_proj", "down_proj_scale_inv has shape [3, 2, 1]"]
 
 CASES = {name: fn for name, fn in dict(globals()).items()
-         if name.startswith(("bnb8_", "bnb4_", "gptq_", "reference_")) and callable(fn)
+         if name.startswith(("bnb8_", "bnb4_", "gptq_", "reference_", "fp8_")) and callable(fn)
          and not name.startswith("_")}
 
 # The source fixture each broken copy is checked against by validate (the intact original).
 INTACT = {"bnb8": "llama-bnb8", "bnb4": "llama-bnb4-nf4-dq", "gptq": "llama-gptq-w4g64-asym",
-          "reference": "llama-fp16"}
+          "reference": "llama-fp16", "fp8": "llama-fp16"}
 
 
 def _verb_args(verb, case, src, dst):
@@ -289,7 +370,7 @@ def test_inspect_warns_bnb4_state_without_quant_state_and_no_config(tmp_path):
 
 @pytest.mark.parametrize("name,leaf", [("llama-ct-w4a16", "weight_packed"), ("llama-awq-w4g128", "qweight")])
 def test_inspect_warns_packed_tensors_of_an_undecoded_method(tmp_path, name, leaf):
-    method = "fp8"
+    method = "hqq"
     d = tmp_path / name
     shutil.copytree(REFERENCE / name, d, ignore=shutil.ignore_patterns("oracle"))
     _edit_config(d, lambda c: c["quantization_config"].update({"quant_method": method}))

@@ -18,7 +18,7 @@ from conftest import CHECKPOINTS
 
 # A producer-made module each target holds without touching codes.
 SOURCE = {"compressed-tensors-w8a8": "llama-ct-w8a8", "awq": "llama-awq-w4g128", "bnb8": "llama-bnb8",
-          "bnb4-nf4": "llama-bnb4-nf4-dq", "bnb4-fp4": "llama-bnb4-fp4"}
+          "bnb4-nf4": "llama-bnb4-nf4-dq", "bnb4-fp4": "llama-bnb4-fp4", "fp8": "llama-fp8-block"}
 DEFAULT_SOURCE = "llama-ct-w4a16"
 MODULE = "model.layers.1.mlp.down_proj"
 _TORCH = {"I32": torch.int32, "I64": torch.int64, "I8": torch.int8, "U8": torch.uint8, "F16": torch.float16,
@@ -84,7 +84,13 @@ def test_leaves_are_what_the_encoder_stores_and_it_reads_back(tmp_path, name):
     arrays = {}
     for leaf, (dtype, values) in stored.items():
         t = torch.from_numpy(np.ascontiguousarray(values))
-        arrays[f"{MODULE}.{leaf}"] = t.view(torch.int16).view(torch.bfloat16) if dtype == "BF16" else t.to(_TORCH[dtype])
+        if dtype == "BF16":
+            t = t.view(torch.int16).view(torch.bfloat16)
+        elif dtype == "F8_E4M3":
+            t = t.view(torch.uint8).view(torch.float8_e4m3fn)
+        else:
+            t = t.to(_TORCH[dtype])
+        arrays[f"{MODULE}.{leaf}"] = t
     save_file(arrays, folder / "model.safetensors")
     qc = tgt.config(WriteContext({MODULE: spec}, (), False, None, {MODULE: settings}))
     (folder / "config.json").write_text(json.dumps({"quantization_config": qc, "dtype": "float16"}))

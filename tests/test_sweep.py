@@ -299,6 +299,14 @@ def _reference(name, method):
     return make
 
 
+def _fp8_config(**changes):
+    def make(w):
+        m = fixture_copy("llama-fp8-block", w)
+        edit_json(m / "config.json", lambda c: c["quantization_config"].update(changes))
+        return m
+    return make
+
+
 def quantization_config_removed(w):
     m = fixture_copy("llama-gptq-w4g64-asym", w)
     edit_json(m / "config.json", lambda c: c.pop("quantization_config"))
@@ -448,11 +456,31 @@ CATALOGUE = [
     Case("quant_method_awq", "llama-gptq-w4g64-asym", _method("awq"), (ST, "AWQ"), inspect_warns=True),
     Case("quant_method_compressed_tensors", "llama-gptq-w4g64-asym", _method("compressed-tensors"),
          (ST, "no quantized module"), inspect_warns=True),
-    Case("quant_method_unknown", "llama-gptq-w4g64-asym", _method("fp8"), ("config.json", "fp8"), inspect_warns=True),
-    Case("reference_awq_as_fp8", "llama-fp16", _reference("llama-awq-w4g128", "fp8"), ("config.json", "fp8"),
+    Case("quant_method_unknown", "llama-gptq-w4g64-asym", _method("hqq"), ("config.json", "hqq"), inspect_warns=True),
+    Case("reference_awq_as_hqq", "llama-fp16", _reference("llama-awq-w4g128", "hqq"), ("config.json", "hqq"),
          inspect_warns=True),
-    Case("reference_compressed_tensors_as_fp8", "llama-fp16", _reference("llama-ct-w4a16", "fp8"),
-         ("config.json", "fp8"), inspect_warns=True),
+    Case("reference_compressed_tensors_as_hqq", "llama-fp16", _reference("llama-ct-w4a16", "hqq"),
+         ("config.json", "hqq"), inspect_warns=True),
+    # fp8 is decoded (issue 17): GPTQ words under a fine-grained FP8 config belong to no module
+    Case("quant_method_fp8_over_gptq", "llama-gptq-w4g64-asym", _method("fp8"), (ST, "no quantized module"),
+         inspect_warns=True),
+    # fine-grained FP8 (issue 17): transformers' own files, one thing broken
+    Case("fp8_code_nan", "llama-fp8-block", _tensors_edit("llama-fp8-block", lambda ts: ts[Q + ".weight"].view(
+        torch.uint8).__setitem__((0, 0), 0x7F)), (ST, Q + ".weight", "NaN")),
+    Case("fp8_scale_nan", "llama-fp8-block",
+         _tensors_edit("llama-fp8-block", _set(Q + ".weight_scale_inv", (0, 0), float("nan"))), (ST, Q)),
+    Case("fp8_scale_shape", "llama-fp8-block", _tensors_edit("llama-fp8-block", lambda ts: ts.update(
+        {Q + ".weight_scale_inv": ts[Q + ".weight_scale_inv"].reshape(-1).clone()})), (ST, Q)),
+    Case("fp8_scale_removed", "llama-fp8-block",
+         _tensors_edit("llama-fp8-block", lambda ts: ts.pop(Q + ".weight_scale_inv")), (ST, Q)),
+    Case("fp8_block_size_64", "llama-fp8-block", _fp8_config(weight_block_size=[64, 64]), (ST, "weight_block_size")),
+    Case("fp8_block_size_text", "llama-fp8-block", _fp8_config(weight_block_size="128"),
+         ("config.json", "weight_block_size")),
+    Case("fp8_weight_float16", "llama-fp8-block", _tensors_edit("llama-fp8-block", lambda ts: ts.update(
+        {Q + ".weight": ts[Q + ".weight"].to(torch.float16)})), (ST, Q + ".weight_scale_inv")),
+    Case("fp8_expert_scale_for_3_experts", "qwen3moe-fp8-block", _tensors_edit("qwen3moe-fp8-block", lambda ts: ts.update(
+        {"model.layers.0.mlp.experts.down_proj_scale_inv":
+         ts["model.layers.0.mlp.experts.down_proj_scale_inv"][:3].clone()})), (ST, "model.layers.0.mlp.experts.3")),
     Case("quantization_config_removed", "llama-gptq-w4g64-asym", quantization_config_removed, ("qweight",),
          inspect_warns=True),
     Case("pipelines_disjoint", "pipeline-qwen3vl-bnb8", pipelines_disjoint, verbs=["validate"]),

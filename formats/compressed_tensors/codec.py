@@ -6,6 +6,10 @@ and int-quantized's signed I8 plus 2^(b-1)), against zero points zp + 2^(b-1) (2
 a symmetric scheme). ``(codes - zeros) * scales`` is then exactly compressed-tensors'
 ``(q - zp) * scale``, and a symmetric 4-bit code is GPTQ's uint4b8 code. Scales are widened to float32;
 ``spec.scale_dtype`` keeps the stored dtype so that encode writes the same bytes back.
+
+The floating-point formats are read only (read_float): float-quantized FP8 through the e4m3 reader every
+FP8 dialect shares (fp8/codec.read_e4m3), nvfp4- and mxfp4-pack-quantized FP4 here (header.py gives
+their layouts and compressed-tensors' arithmetic).
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ from typing import Mapping
 import numpy as np
 
 from ...errors import CorruptCheckpoint, UnsupportedFormat
-from .header import (INT, NAIVE, PACKED, READABLE_FORMATS, _PADDED_BITS, _SCALE_DTYPES,
+from .header import (INT, NAIVE, NVFP4, PACKED, READABLE_FORMATS, _PADDED_BITS, _SCALE_DTYPES,
                                  _padded_range, check, leaves, padded_layout_message)
 from ..core.ir import QuantSpec, QuantTensor
 from ..core.layout import QuantModule
-from ..core.packing import pack_int32, unpack_int32
+from ..core.minifloat import E2M1_BOOK, e8m0
+from ..core.packing import pack_int32, unpack_int32, unpack_nibbles_low_first
+from ..fp8.codec import read_e4m3
 from ..storage.safetensors_header import TensorInfo
 from ..storage.tensor_io import encode_float, finite_scales, read_array, to_float32
 
@@ -115,6 +121,8 @@ def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, 
     if (r0 % 32 or (r1 % 32 and r1 != out)) or not 0 <= r0 <= r1 <= out:
         raise ValueError(f"rows {r0}:{r1} of {name} are not whole runs of 32 output channels")
     window = None if rows is None else (r0, r1)
+    if m.details.get("layout") in ("fp8", "fp4"):
+        return read_float(m, tensors, dtype, rows)
     offset = 1 << (bits - 1)
     scale_info = tensors[name + ".weight_scale"]
     groups = scale_info.shape[1]
@@ -157,6 +165,54 @@ def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, 
     spec = QuantSpec("int", bits, group_size, bool(m.details["symmetric"]), scale_dtype=scale_info.dtype)
     return QuantTensor(spec, (out, inp), dtype, codes=codes, scales=np.ascontiguousarray(scales),
                        zeros=zeros, g_idx=g_idx)
+
+
+def read_float(m: QuantModule, tensors: Mapping[str, TensorInfo], dtype: str,
+               rows: tuple[int, int] | None = None) -> QuantTensor:
+    """A floating-point module (checked by read) as a QuantTensor whose dequantization, rounded to the
+    model dtype, is compressed-tensors' own decompression bit for bit:
+
+    * float-quantized: e4m3 codes times the scale of their row / block / tensor, exact in float32 and
+      rounded once to the model dtype, as compressed-tensors' product in the scale's dtype;
+    * nvfp4-pack-quantized: scales float32(e4m3 scale) / global (compressed-tensors divides the bfloat16
+      scale by the float32 global scale in float32), the product rounded to bfloat16 (product_dtype),
+      as its decompression into the bfloat16 FP4 values leaves it, before the model dtype;
+    * mxfp4-pack-quantized: scales 2^(b - 127); its bfloat16 product is exact (a 2-bit e2m1 significand
+      times a power of two), so nothing is rounded before the model dtype.
+
+    Refused: e4m3 NaN codes and non-finite scales (read_e4m3), an e4m3 NaN group scale, a zero or
+    non-finite global scale, an e8m0 scale of 255 (NaN)."""
+    name = m.name
+    scale = tensors[name + ".weight_scale"]
+    if m.scheme == "e4m3":
+        return read_e4m3(tensors[name + ".weight"], scale, m.details["block_rows"], m.group_size, dtype, rows)
+    r0, r1 = rows or (0, m.out_features)
+    window = None if rows is None else (r0, r1)
+    codes = unpack_nibbles_low_first(read_array(tensors[name + ".weight_packed"], rows=window))
+    stored = read_array(scale, rows=window)
+    if m.details["format"] == NVFP4:
+        group_scales = finite_scales(to_float32(stored, scale.dtype), scale)
+        info = tensors[name + ".weight_global_scale"]
+        g = np.float32(read_array(info).reshape(-1)[0])
+        if not np.isfinite(g) or g == 0:
+            raise CorruptCheckpoint(f"holds {float(g)}: every scale of the module is divided by it; cannot "
+                                    f"decode it", file=info.file, tensor=info.name)
+        with np.errstate(over="ignore"):
+            scales = group_scales / g
+        if not np.all(np.isfinite(scales)):
+            raise CorruptCheckpoint(f"holds {float(g):.3g}, which makes scales of {scale.name} infinite; cannot "
+                                    f"decode it", file=info.file, tensor=info.name)
+        spec = QuantSpec("e2m1", 4, m.group_size, True, codebook=E2M1_BOOK, scale_dtype=scale.dtype,
+                         global_scale="divisor")
+        return QuantTensor(spec, (r1 - r0, m.in_features), dtype, codes=codes, scales=scales,
+                           group_scales=group_scales, global_scale=g, product_dtype="bfloat16")
+    nan = stored == 255
+    if nan.any():
+        o, i = (int(v[0]) for v in np.nonzero(nan))
+        raise CorruptCheckpoint(f"holds {int(nan.sum())} e8m0 scales of 255 (NaN), the first at [{r0 + o}, {i}]: "
+                                f"no weight of their groups decodes", file=scale.file, tensor=scale.name)
+    spec = QuantSpec("e2m1", 4, m.group_size, True, codebook=E2M1_BOOK, scale_dtype=scale.dtype)
+    return QuantTensor(spec, (r1 - r0, m.in_features), dtype, codes=codes, scales=e8m0(stored))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,6 +29,29 @@ Before 0.18.0 (commit 66e631f6) a word held 32//b whole codes and left its high 
 6- and 7-bit files of the two eras differ (in=256, 3-bit: 26 words a row padded, 24 dense); 1/2/4/8-bit
 layouts are the same in every release. qconv reads the dense layout and refuses the padded one.
 
+Floating-point formats (FORMATS.md §10.3-10.5; read, never written), symmetric only::
+
+  format "float-quantized" (llm-compressor FP8, FP8_DYNAMIC, FP8_BLOCK)
+    P.weight             F8_E4M3 [out, in]
+    P.weight_scale       the model dtype (F16 / BF16; F32 read too):  strategy "tensor" [1],
+                         "channel" [out, 1], "block" [ceil(out/B0), ceil(in/B1)] with the group's
+                         ``block_structure`` [B0, B1] (last blocks partial: padded, then cut)
+    P.input_scale        [1], static activations only (FP8): carried, not decoded
+    w = float(q) * scale, rounded once to the scale's dtype
+
+  format "nvfp4-pack-quantized" (NVFP4A16, NVFP4: strategy "tensor_group", group_size 16)
+    P.weight_packed        U8 [out, in/2]   e2m1 codes, element 2i in the LOW nibble
+    P.weight_scale         F8_E4M3 [out, in/16]
+    P.weight_global_scale  F32 [1]          a DIVISOR (2688 / amax)
+    P.input_global_scale   F32 [1]          NVFP4 (activations): carried, not decoded
+    w = bf16(e2m1 * (float32(scale) / global)): compressed-tensors unpacks FP4 into bfloat16 for any
+    model dtype, so a float16 model's weight is rounded twice (QuantTensor.product_dtype)
+
+  format "mxfp4-pack-quantized" (MXFP4A16: strategy "group", group_size 32)
+    P.weight_packed      U8 [out, in/2]     as NVFP4
+    P.weight_scale       U8 [out, in/32]    e8m0 bytes b: 2^(b - 127) (255 is NaN)
+    w = e2m1 * 2^(b - 127), exact in bfloat16 and in every model dtype that holds it
+
 Which config group quantizes a module follows compressed_tensors/utils/match.py and
 quantization/lifecycle/apply.py: a target or ignore entry matches by exact name, by ``re:<regex>``
 with re.match (anchored at the start only), or by class name ("Linear"); ``ignore`` wins; among the
@@ -54,7 +77,11 @@ QUANT_METHOD = "compressed-tensors"
 PACKED = "pack-quantized"
 INT = "int-quantized"
 NAIVE = "naive-quantized"
-READABLE_FORMATS = (PACKED, INT, NAIVE)
+READABLE_FORMATS = (PACKED, INT, NAIVE)    # integer formats: read and written
+FLOAT = "float-quantized"
+NVFP4 = "nvfp4-pack-quantized"
+MXFP4 = "mxfp4-pack-quantized"
+FLOAT_FORMATS = (FLOAT, NVFP4, MXFP4)      # floating-point formats: read only
 MIXED = "mixed-precision"
 # The release whose layout config_for describes (dense sub-byte packing, no act-order g_idx).
 LAYOUT_VERSION = "0.19.0"
@@ -66,6 +93,10 @@ STATE_LEAVES = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_i
 EXTRA_STATE_LEAVES = ("weight_global_scale", "input_scale", "input_zero_point", "input_global_scale",
                       "output_scale", "output_zero_point")
 _SCALE_DTYPES = ("F16", "BF16", "F32")
+_FP8_STRATEGIES = ("tensor", "channel", "block")
+# format -> (scheme, bits, strategy, group size, scale dtype) of the FP4 formats (compressors/nvfp4,
+# compressors/mxfp4: each compressor takes exactly this scheme, can_compress).
+_FP4 = {NVFP4: ("e2m1", 4, "tensor_group", 16, "F8_E4M3"), MXFP4: ("e2m1", 4, "group", 32, "U8")}
 _INT_DTYPES = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
 _PADDED_BITS = (3, 5, 6, 7)              # the widths whose layout changed in 0.18
 
@@ -145,7 +176,8 @@ def weight_args(group: Mapping) -> dict:
     args = {"num_bits": w.get("num_bits", 8), "type": str(w.get("type") or "int").lower(),
             "symmetric": w.get("symmetric", True), "group_size": w.get("group_size"),
             "strategy": w.get("strategy"), "actorder": w.get("actorder"),
-            "dynamic": w.get("dynamic", False)}
+            "dynamic": w.get("dynamic", False), "block_structure": w.get("block_structure"),
+            "scale_dtype": w.get("scale_dtype")}
     strategy = args["strategy"]
     gs = args["group_size"]
     if strategy is None:
@@ -165,7 +197,8 @@ def group_format(qc: Mapping, group: Mapping) -> str:
     """The format a group's modules are stored in: the group's own ``format``, else the top-level one
     (unless it is "mixed-precision"), else what compressed-tensors infers from the scheme
     (compressors/format.py: int weights with activations -> int-quantized, 1..8-bit int weights ->
-    pack-quantized, otherwise naive-quantized)."""
+    pack-quantized, 4-bit float weights in groups of 32 -> mxfp4-pack-quantized, of 16 ->
+    nvfp4-pack-quantized, 8-bit float weights -> float-quantized, otherwise naive-quantized)."""
     fmt = group.get("format")
     if fmt:
         return str(fmt)
@@ -178,6 +211,10 @@ def group_format(qc: Mapping, group: Mapping) -> str:
         return INT if str(acts.get("type") or "int").lower() == "int" else "float-quantized"
     if args.get("type") == "int" and isinstance(args.get("num_bits"), int) and 1 <= args["num_bits"] <= 8:
         return PACKED
+    if args.get("type") == "float" and args.get("num_bits") == 4:
+        return {32: MXFP4, 16: NVFP4}.get(args.get("group_size"), NAIVE)
+    if args.get("type") == "float" and args.get("num_bits") == 8:
+        return FLOAT
     return NAIVE
 
 
@@ -332,12 +369,16 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
             p.unsupported(None, f"quantization_status is {status!r}: the weights are stored "
                                 f"{'fake-quantized in float' if status == 'frozen' else 'uncompressed'},"
                                 f" not compressed; qconv reads compressed checkpoints")
+        if fmt in FLOAT_FORMATS:
+            modules.append(_float_module(prefix, tensors, p, group_name, args, fmt, version))
+            continue
         if match and fmt not in READABLE_FORMATS:
             p.unsupported(None, f"config group {group_name!r} is stored as format {fmt!r}, which qconv "
-                                f"does not decode (it reads {', '.join(READABLE_FORMATS)})")
+                                f"does not decode (it reads {', '.join(READABLE_FORMATS + FLOAT_FORMATS)})")
         if args and args["type"] != "int":
             p.unsupported(None, f"config group {group_name!r} quantizes weights to type "
-                                f"{args['type']!r}; qconv reads integer weights only")
+                                f"{args['type']!r} in format {fmt!r}; qconv reads float weights in the "
+                                f"formats {', '.join(FLOAT_FORMATS)} only")
         bits = args.get("num_bits") if args else None
         if args and (not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= 8):
             p.unsupported(None, f"config group {group_name!r} has num_bits {bits!r}; compressed-tensors "
@@ -499,6 +540,147 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
     return modules
 
 
+def _block_structure(value) -> list[int] | None:
+    """A group's block_structure as compressed-tensors' validator takes it ([rows, cols] of positive
+    integers, or the older "RxC" string), else None."""
+    if isinstance(value, str):
+        try:
+            value = [int(x) for x in value.split("x")]
+        except ValueError:
+            return None
+    if (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        return list(value)
+    return None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _float_module(prefix: str, tensors: Mapping[str, TensorInfo], p: _Problems, group_name, args: Mapping,
+                  fmt: str, version) -> QuantModule:
+    """One module of a floating-point format (float-quantized FP8, nvfp4- / mxfp4-pack-quantized FP4; the
+    module docstring), from headers and its config group: scheme e4m3 or e2m1, what codec.read needs in
+    ``details`` (layout.QuantModule's e4m3 / e2m1 conventions: "scales_dtype", "block_rows", and
+    "global_scale" for NVFP4), and every way the config, the headers and the format disagree as a
+    problem (``p`` holds those the config alone raised)."""
+    def leaf(name: str) -> str:
+        return f"{prefix}.{name}"
+
+    fp4 = fmt in _FP4
+    scheme, bits, fp4_strategy, fp4_group, fp4_scale = _FP4[fmt] if fp4 else ("e4m3", 8, None, None, None)
+    code_leaf = "weight_packed" if fp4 else "weight"
+    code_name, scale_name, global_name = leaf(code_leaf), leaf("weight_scale"), leaf("weight_global_scale")
+    code, scale, global_t = tensors.get(code_name), tensors.get(scale_name), tensors.get(global_name)
+    label = f"config group {group_name!r}"
+    strategy = args.get("strategy") if args else None
+    block = None
+
+    # The config group against the format.
+    if args:
+        if args["type"] != "float" or args["num_bits"] != bits:
+            p.corrupt(None, f"{label} is stored as {fmt!r} but quantizes weights to {args['type']} "
+                            f"{args['num_bits']!r}-bit; {fmt} holds {bits}-bit float weights")
+        if not args["symmetric"]:
+            p.unsupported(None, f"{label} quantizes {fmt} weights asymmetrically; qconv reads symmetric "
+                                f"float weights only")
+        if fp4 and (strategy != fp4_strategy or args["group_size"] != fp4_group):
+            p.unsupported(None, f"{label} has weight strategy {strategy!r} with group_size "
+                                f"{args['group_size']!r}; {fmt} is strategy {fp4_strategy!r} in groups of "
+                                f"{fp4_group}, the only layout qconv reads")
+        elif not fp4 and strategy not in _FP8_STRATEGIES:
+            p.unsupported(None, f"{label} uses weight strategy {strategy!r}; qconv reads {fmt} weights "
+                                f"with strategies {', '.join(map(repr, _FP8_STRATEGIES))}")
+        elif strategy == "block":
+            block = _block_structure(args.get("block_structure"))
+            if block is None:
+                p.corrupt(None, f"{label} has weight strategy 'block' but block_structure "
+                                f"{args.get('block_structure')!r}, expected [rows, cols] of positive integers")
+
+    # The codes give out and in.
+    out = inp = 0
+    if code is None:
+        p.corrupt(code_name, f"{fmt} module has no {code_leaf} tensor")
+    elif len(code.shape) != 2:
+        p.corrupt(code_name, f"{code_leaf} has shape {list(code.shape)}, expected a matrix")
+        code = None
+    else:
+        out, inp = code.shape[0], code.shape[1] * (2 if fp4 else 1)
+        if fp4 and code.dtype != "U8":
+            p.corrupt(code_name, f"weight_packed is {code.dtype}, expected U8 bytes of two e2m1 codes")
+        elif not fp4 and code.dtype != "F8_E4M3":
+            p.unsupported(code_name, f"weight is {code.dtype}; {fmt} 8-bit weights are F8_E4M3 (e4m3) codes, "
+                                     f"the only ones qconv reads")
+
+    # Scales: one per block of block_rows x group_size (block_rows 0: one for the tensor).
+    block_rows, group_size = 1, -1
+    if fp4:
+        group_size = fp4_group
+    elif strategy == "tensor":
+        block_rows = 0
+    elif strategy == "block" and block:
+        block_rows, group_size = block
+    if scale is None:
+        p.corrupt(scale_name, "quantized module has no weight_scale tensor")
+    else:
+        shape = list(scale.shape)
+        if fp4 and scale.dtype != fp4_scale:
+            p.unsupported(scale_name, f"weight_scale is {scale.dtype}; {fmt} stores {fp4_scale} scales "
+                                      f"({'e4m3' if fmt == NVFP4 else 'e8m0 bytes'}), the only ones qconv reads")
+        elif not fp4 and scale.dtype not in _SCALE_DTYPES:
+            p.unsupported(scale_name, f"weight_scale is {scale.dtype}; qconv reads {', '.join(_SCALE_DTYPES)} "
+                                      f"{fmt} scales")
+        if code is not None and fp4:
+            want = [out, -(-inp // group_size)]
+            if shape != want:
+                p.corrupt(scale_name, f"weight_scale has shape {shape}; groups of {group_size} over a {out} x "
+                                      f"{inp} weight give {want}")
+        elif code is not None and strategy == "tensor":
+            if _numel(shape) != 1:
+                p.corrupt(scale_name, f"weight_scale has shape {shape}; strategy 'tensor' has one scale")
+        elif code is not None and strategy == "channel":
+            if shape != [out, 1]:
+                p.corrupt(scale_name, f"weight_scale has shape {shape}; strategy 'channel' over a {out} x {inp} "
+                                      f"weight gives [{out}, 1]")
+        elif code is not None and strategy == "block" and block:
+            want = [-(-out // block[0]), -(-inp // block[1])]
+            if shape != want:
+                p.corrupt(scale_name, f"weight_scale has shape {shape}; block_structure {block} over a {out} x "
+                                      f"{inp} weight gives {want}")
+    if fmt == NVFP4:
+        if global_t is None:
+            p.corrupt(global_name, f"{fmt} module has no weight_global_scale tensor")
+        elif global_t.dtype != "F32" or list(global_t.shape) != [1]:
+            p.corrupt(global_name, f"weight_global_scale is {global_t.dtype} {list(global_t.shape)}, expected "
+                                   f"F32 [1]")
+    elif global_t is not None:
+        p.corrupt(global_name, f"weight_global_scale is stored, but {fmt} has one level of scales")
+    stray = [t for t in ("weight_packed" if not fp4 else "weight", "weight_zero_point", "weight_shape",
+                         "weight_g_idx") if leaf(t) in tensors]
+    for t in stray:
+        p.corrupt(leaf(t), f"{t} is stored beside a {fmt} module, which holds none (symmetric float "
+                           f"weights{', packed' if fp4 else ''})")
+
+    ordered = p.ordered()
+    state = tuple(leaf(t) for t in ("weight_scale",) + EXTRA_STATE_LEAVES + tuple(stray) if leaf(t) in tensors)
+    details = {"format": fmt, "strategy": strategy, "symmetric": True, "group": group_name,
+               "scale_dtype": scale.dtype if scale is not None else None,
+               "scales_dtype": scale.dtype if scale is not None else None,      # registry's key
+               "block_rows": block_rows, "block_structure": block,
+               "layout": "fp4" if fp4 else "fp8", "in_range": (inp, inp), "version": version,
+               "has_g_idx": False, "act_order": False,
+               "problem_kinds": tuple(k for k, _, _ in ordered),
+               "problem_tensors": tuple(tn for _, tn, _ in ordered)}
+    if fmt == NVFP4:
+        details["global_scale"] = "divisor"
+    return QuantModule(prefix, "ct", scheme, bits, out, inp, (code_name,) if code is not None else (), state,
+                       group_size=group_size, details=details, problems=tuple(msg for _, _, msg in ordered))
+
+
 def check(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> None:
     """Refuse, from headers and config, a module ct_codec.read could not decode exactly:
     UnsupportedFormat for a layout or scheme qconv does not read, CorruptCheckpoint for files that
@@ -543,14 +725,18 @@ def settings(qc: Mapping | None, modules, all_modules=(), comp=None, warnings: l
             continue
         args = weight_args(group)
         acts = group.get("input_activations")
-        described[gname] = {
-            "targets": _targets(group.get("targets")), "format": group_format(qc, group),
-            "num_bits": args.get("num_bits"), "type": args.get("type"), "strategy": args.get("strategy"),
-            "group_size": args.get("group_size"), "symmetric": args.get("symmetric"),
-            "input_activations": (None if not isinstance(acts, Mapping) else
-                                  f"{acts.get('type', 'int')}{acts.get('num_bits', 8)} {acts.get('strategy')}"
-                                  f"{' dynamic' if acts.get('dynamic') else ' static'}"),
-            "modules": sum(1 for m in ours if m.details.get("group") == gname)}
+        entry = {"targets": _targets(group.get("targets")), "format": group_format(qc, group),
+                 "num_bits": args.get("num_bits"), "type": args.get("type"), "strategy": args.get("strategy"),
+                 "group_size": args.get("group_size"), "symmetric": args.get("symmetric")}
+        for key in ("block_structure", "scale_dtype"):       # set by the floating-point presets only
+            if args.get(key) is not None:
+                entry[key] = args[key]
+        dynamic = acts.get("dynamic") if isinstance(acts, Mapping) else None
+        how = " dynamic (static global scale)" if dynamic == "local" else " dynamic" if dynamic else " static"
+        entry["input_activations"] = (None if not isinstance(acts, Mapping) else
+                                      f"{acts.get('type', 'int')}{acts.get('num_bits', 8)} {acts.get('strategy')}{how}")
+        entry["modules"] = sum(1 for m in ours if m.details.get("group") == gname)
+        described[gname] = entry
         for target in _targets(group.get("targets")):
             if target.startswith("re:"):
                 try:
@@ -566,6 +752,9 @@ def settings(qc: Mapping | None, modules, all_modules=(), comp=None, warnings: l
         if isinstance(acts, Mapping) and not acts.get("dynamic"):
             warnings.append(f"config_groups.{gname} quantizes input activations statically "
                             f"(input_scale tensors); qconv reads and writes the weights only")
+        elif isinstance(acts, Mapping) and acts.get("dynamic") == "local":
+            warnings.append(f"config_groups.{gname} quantizes input activations with static global scales "
+                            f"(input_global_scale tensors); qconv reads and writes the weights only")
     for target in _targets(qc.get("ignore")):
         if target.startswith("re:"):
             try:
@@ -575,12 +764,15 @@ def settings(qc: Mapping | None, modules, all_modules=(), comp=None, warnings: l
     if qc.get("kv_cache_scheme"):
         warnings.append("kv_cache_scheme is set: the attention's k/v scales are not converted by qconv")
     scale_dtypes = [m.details["scale_dtype"] for m in ours if m.details.get("scale_dtype") in DTYPES]
+    two_level = _common(m.details["global_scale"] for m in ours if m.details.get("global_scale"))
+    extra = {"global_scale": f"{two_level} (weight_global_scale, float32 per tensor)"} if two_level else {}
     return {"format": qc.get("format"), "version": qc.get("version"),
             "quantization_status": qc.get("quantization_status"), "config_groups": described,
             "ignore": _targets(qc.get("ignore")),
             "bits": _common(m.bits for m in ours),
-            "group_size": _common(m.group_size for m in ours),
-            "scales_dtype": _common(DTYPES[d][1] for d in scale_dtypes)}
+            "group_size": _common(None if m.details.get("block_rows") == 0 else m.group_size  # per tensor: none
+                                  for m in ours),
+            "scales_dtype": _common(DTYPES[d][1] for d in scale_dtypes), **extra}
 
 
 def lint(qc: Mapping, modules, all_modules, comp, warnings: list) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..bnb import header as bnb
+from ..modelopt import header as modelopt
 from ..storage.checkpoint import Component
 from .layout import QuantModule, natural_key
 from .registry import decoded_config_methods, families, family
@@ -60,6 +61,8 @@ def config_method(qc: Mapping | None) -> str | None:
         return "auto-round"
     if method is None and "bits" in qc:          # a bare AutoGPTQ quantize_config.json
         return "gptq"
+    if method is None and modelopt.is_side_config(qc):   # a bare ModelOpt hf_quant_config.json
+        return modelopt.METHOD
     return str(method)
 
 

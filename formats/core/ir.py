@@ -35,6 +35,14 @@ forms it before the product: NVFP4 has two levels, a stored e4m3 scale per group
 decoded to float32) and one float32 ``global_scale`` per tensor, which compressed-tensors DIVIDES by
 (``spec.global_scale == "divisor"``) and ModelOpt multiplies by (``"multiplier"``); both are kept so
 that a writer of either dialect can keep every code. MXFP4's e8m0 scales are powers of two (one level).
+
+A producer may round its product through a narrower float before the model dtype: compressed-tensors
+unpacks NVFP4 codes into bfloat16 and computes e2m1 * (float32(scale) / global) into bfloat16 even for a
+float16 model, so its weight is fp16(bf16(product)), two roundings (FORMATS.md §10.4). Such a QuantTensor
+says so with ``product_dtype = "bfloat16"``: ``dequantize_rows`` rounds the float32 product to bfloat16
+(to nearest even, as torch casts) and returns it widened, so any later rounding to the model dtype (by
+dequantize, or by a caller's cast) gives the producer's bits; validate's device decoding does the same.
+None (every other format): the float32 product goes straight to the caller.
 """
 
 from __future__ import annotations
@@ -46,11 +54,24 @@ import numpy as np
 
 FLAT_SCHEMES = ("nf4", "fp4")        # code books over the flattened weight (bitsandbytes' blocks)
 ROW_SCHEMES = ("e4m3", "e2m1")      # code books grouped along each row, as the integers
+PRODUCT_DTYPES = (None, "bfloat16")  # QuantTensor.product_dtype: a producer's intermediate rounding
+
+
+def round_to_bfloat16(w: np.ndarray) -> np.ndarray:
+    """float32 values rounded in place to the nearest bfloat16 (ties to even, infinity and NaN kept),
+    still float32: torch's ``x.to(torch.bfloat16).float()``, bit for bit, without torch."""
+    bits = w.view(np.uint32)
+    nan = np.isnan(w)
+    bits += np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    bits &= np.uint32(0xFFFF0000)
+    if nan.any():
+        w[nan] = np.nan
+    return w
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    scheme: str                      # "int" | "nf4" | "fp4" | "e4m3"
+    scheme: str                      # "int" | "nf4" | "fp4" | "e4m3" | "e2m1"
     bits: int
     group_size: int                  # int: inputs per group, -1 = per output row; nf4/fp4: blocksize
     symmetric: bool
@@ -109,6 +130,12 @@ class QuantTensor:
     double_quant: DoubleQuant | None = None
     group_scales: np.ndarray | None = None   # two-level scales: the stored per-group level, float32 [out, G]
     global_scale: np.float32 | None = None   # ... and the per-tensor level (spec.global_scale says how)
+    product_dtype: str | None = None         # "bfloat16": the producer rounds each weight to it before the
+                                             # model dtype (see above); None: no intermediate rounding
+
+    def __post_init__(self):
+        if self.product_dtype not in PRODUCT_DTYPES:
+            raise ValueError(f"product_dtype {self.product_dtype!r} is not one of {PRODUCT_DTYPES}")
 
     @property
     def groups(self) -> np.ndarray:
@@ -151,7 +178,7 @@ class QuantTensor:
                 w *= s[:, g]
             if self.spec.scale_divisor != 1:
                 w *= np.float32(1.0 / self.spec.scale_divisor)
-            return w
+            return w if self.product_dtype is None else round_to_bfloat16(w)
         book = np.asarray(self.spec.codebook, dtype=np.float32)
         bs = self.spec.group_size
         j0, j1 = r0 * inp, r1 * inp
@@ -160,7 +187,8 @@ class QuantTensor:
             w.reshape(-1, bs).__imul__(self.scales[j0 // bs:j1 // bs, None])
         else:
             w *= self.scales[np.arange(j0, j1) // bs]
-        return w.reshape(rows, inp)
+        w = w.reshape(rows, inp)
+        return w if self.product_dtype is None else round_to_bfloat16(w)
 
     def slab_rows(self, target_elements: int = 1 << 20) -> int:
         """Rows per slab near target_elements; for code books, whole blocks per slab."""

@@ -34,10 +34,25 @@ class QuantModule:
                                      # channel, 0 per tensor; absent: 1) and, with two-level scales (NVFP4),
                                      # "global_scale" ("divisor" | "multiplier"; QuantSpec.global_scale)
     problems: tuple[str, ...] = ()
+    # Fused MoE experts (transformers 5's experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I], gpt-oss):
+    # one module for the stored 3-D tensor, named as it (no ".weight"), its E experts' rows stacked, so
+    # out_features = E * rows of one expert and every row window is plain; 0: an ordinary Linear.
+    experts: int = 0
 
     @property
     def logical_parameters(self) -> int:
         return self.out_features * self.in_features
+
+    @property
+    def float_name(self) -> str:
+        """The float tensor this module dequantizes to, in the source's own layout."""
+        return self.name if self.experts else self.name + ".weight"
+
+    @property
+    def float_shape(self) -> tuple[int, ...]:
+        if self.experts:
+            return (self.experts, self.out_features // self.experts, self.in_features)
+        return (self.out_features, self.in_features)
 
     def file(self, tensors: Mapping):
         """The file holding the module's weight (else its first state tensor), for messages: a module

@@ -10,7 +10,7 @@ from ..storage.checkpoint import Component
 from .detect import DECODED_METHODS, Detection, detect
 from .ir import QuantTensor
 from .layout import QuantModule, module_of
-from .registry import families, family
+from .registry import dialects_for, families, family
 
 
 def require_decodable(comp: Component) -> Detection:
@@ -32,6 +32,11 @@ def require_decodable(comp: Component) -> Detection:
         raise UnsupportedFormat(f"quant_method {det.cfg_method!r} is not a method qconv decodes (it reads "
                                 f"{', '.join(f.method for f in families())} and auto-round); refusing to "
                                 f"write it as anything else", file=comp.path / det.qc_source)
+    for dialect in dialects_for(det.cfg_method):
+        refusal = dialect.refuse(det.qc) if dialect.refuse is not None and det.qc else None
+        if refusal is not None:
+            cls, message = refusal
+            raise cls(message, file=comp.path / det.qc_source)
     packed = [m for m in det.modules if family(m.family).needs_config]
     if packed and det.qc is None:
         first = tensors[packed[0].weight_tensors[0]]

@@ -65,6 +65,9 @@ class Dialect:
     name: str
     config_methods: frozenset
     lint: Callable                   # (qc, modules, all_modules, comp, warnings) -> None
+    # (qc) -> (error class, message) for a config under which nothing can be decoded (a block size that
+    # is not one, a field of the wrong type), refused naming the config file; None: no such check
+    refuse: Callable | None = None
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -106,6 +109,7 @@ def _register_builtin() -> None:
     from ..compressed_tensors import header as compressed_tensors
     from ..fp8 import header as fp8
     from ..gptq import header as gptq
+    from ..modelopt import header as modelopt
 
     def awq_packed(qc) -> bool:                 # auto-round's AWQ packing (auto_round:auto_awq)
         return bool(qc) and awq.is_auto_round(qc) and gptq.normalise_packing_format(qc) == awq.AUTO_ROUND_AWQ
@@ -142,11 +146,15 @@ def _register_builtin() -> None:
     register(Family("fp8", "fine-grained FP8", frozenset({"fp8"}), lambda method, qc: method == "fp8",
                     fp8.find_modules, fp8.check, "fp8.codec", fp8.settings, scale_tensor=".weight_scale_inv",
                     symmetric=lambda m, qc: True, rows=1))
+    register(Family("modelopt", "ModelOpt", frozenset({"modelopt"}), lambda method, qc: method == "modelopt",
+                    modelopt.find_modules, modelopt.check, "modelopt.codec", modelopt.settings,
+                    scale_tensor=".weight_scale", symmetric=lambda m, qc: True, rows=1))
     register(Dialect("bitsandbytes", frozenset({"bnb8", "bnb4", "bitsandbytes"}), bnb.lint))
     register(Dialect("gptq", frozenset({"gptq", "auto-round"}), gptq.lint))
     register(Dialect("awq", frozenset({"awq"}), awq.lint))
     register(Dialect("compressed-tensors", frozenset({"compressed-tensors"}), compressed_tensors.lint))
-    register(Dialect("fp8", frozenset({"fp8"}), fp8.lint))
+    register(Dialect("fp8", frozenset({"fp8"}), fp8.lint, refuse=fp8.refuse))
+    register(Dialect("modelopt", frozenset({"modelopt"}), modelopt.lint))
 
 
 _register_builtin()
@@ -170,6 +178,7 @@ class Caps:
     fallback_bits: int | None = None  # width a module gets when its own is not storable (None: refuse)
     asym_refusal: str | None = None  # asym not storable: refuse with this (None: requantize symmetric)
     one_group_size: bool = False     # its config holds one group size for every module
+    fused_experts: bool = False      # holds fused 3-D MoE experts (QuantModule.experts) as they are
 
 
 @dataclass(frozen=True)
@@ -324,6 +333,7 @@ def _register_targets() -> None:
     from ..awq import header as awq
     from ..bnb import header as bnb
     from ..compressed_tensors import header as compressed_tensors
+    from ..fp8 import header as fp8
     from ..gptq import header as gptq
 
     int_2_8 = frozenset(range(2, 9))
@@ -360,6 +370,12 @@ def _register_targets() -> None:
                                                 scale_dtypes=frozenset({"F32"}), divisor_scale="F32"),
                            bnb.int8_leaves, bnb.config_writer(False), "bnb.codec",
                            fit=_lazy("bnb.codec", "fit_int8"), retarget=_lazy("bnb.codec", "retarget_int8")))
+    # Fine-grained FP8 (transformers / DeepSeek): e4m3 in 2-D blocks; its own fit (--block-size), quantizer
+    # (Fp8Quantize's arithmetic) and retarget (codes kept from e4m3 sources in the same blocks); fp8/.
+    register_target(Target("fp8", "fp8", Caps(frozenset({8}), asym=False, per_row=False,
+                                              scale_dtypes=frozenset({"F32"}), divisor_scale="F32"),
+                           fp8.writer_leaves, fp8.writer_config, "fp8.codec", fit=_lazy("fp8.codec", "fit"),
+                           requantize=_lazy("fp8.codec", "requantize"), retarget=_lazy("fp8.codec", "retarget")))
     for name, quant_type in bnb.FOUR_BIT_TARGETS.items():
         register_target(Target(name, "bnb4", Caps(frozenset({4}), asym=False, per_row=False, grouped=False,
                                                   scale_dtypes=frozenset({"F32"}), divisor_scale="F32"),

@@ -26,7 +26,9 @@ from ...errors import CorruptCheckpoint, InputNotFound
 from .safetensors_header import Header, TensorInfo, file_kind, open_regular, read_header
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".pk", ".joblib")
-QUANT_CONFIG_FILES = ("quantize_config.json", "quantization_config.json")
+# Stand-alone quantization configs, read where config.json has no quantization_config and never carried
+# into an output (hf_quant_config.json: NVIDIA ModelOpt's, which vLLM also detects ModelOpt by).
+QUANT_CONFIG_FILES = ("quantize_config.json", "quantization_config.json", "hf_quant_config.json")
 MAX_JSON_BYTES = 64 << 20
 _HF_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
 
