@@ -33,6 +33,8 @@ def _producer_dtype(name):
         return "float32"
     if producer == "modelopt":                        # FP8QTensor / NVFP4QTensor .dequantize(float32)
         return "float32"
+    if producer == "qconv-fixture":                   # gpt-oss MXFP4 made here; oracle: transformers'
+        return "float32"                              # convert_moe_packed_tensors(dtype=float32), exact
     if producer == "llm-compressor":                  # compressed-tensors decompresses in the model dtype
         config = json.loads((CHECKPOINTS / name / "config.json").read_text())   # (bfloat16 for the MoE base)
         return config.get("dtype") or config["torch_dtype"]
@@ -117,9 +119,17 @@ def test_cli_output_equals_oracle_at_producer_dtype_and_float32_is_unrounded(tmp
 # A decoding error is an order of magnitude larger: a zero point off by one in every group gives ~30 %.
 TOLERANCE = {"bitsandbytes": 0.03, "gptqmodel": 0.015, "auto-round": 0.015, "llm-compressor": 0.015,
              "transformers": 0.015, "modelopt": 0.005}
+# Fixtures whose dequantized folder plain transformers loads WRONG by design, so the test below does not
+# apply: qwen3moe-mxfp4-gptoss keeps gpt-oss' fused experts with gate and up rows INTERLEAVED (even rows
+# gate, odd rows up) under a qwen3_moe config, and dequantize keeps that stored layout (no silent
+# reordering, docs/formats.md); Qwen3MoeExperts reads experts.gate_up_proj [E, 2I, H] as gate rows then up
+# rows (chunk(2)), so the folder loads without error and computes another function. Its
+# oracle/logits.safetensors are the base with the oracle weights de-interleaved (PROVENANCE.json); the
+# reader is checked bit for bit against transformers' own decoder above.
+NOT_TRANSFORMERS_LOADABLE = {"qwen3moe-mxfp4-gptoss"}
 
 
-@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("name", [n for n in QUANTIZED if n not in NOT_TRANSFORMERS_LOADABLE])
 def test_dequantized_folder_loads_in_plain_transformers(tmp_path, name):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 

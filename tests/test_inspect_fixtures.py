@@ -46,6 +46,8 @@ def _expected_scheme(name, module):
         return "int8" if s.get("load_in_8bit") == "True" else s["bnb_4bit_quant_type"]
     if prov["producer"] == "transformers":           # FineGrainedFP8: e4m3 weights
         return {"fp8": "e4m3"}[s["quantization_config"]["quant_method"]]
+    if prov["producer"] == "qconv-fixture":          # gpt-oss MXFP4, made by fixtures/make_mxfp4_gptoss.py
+        return {"mxfp4": "e2m1"}[s["quantization_config"]["quant_method"]]
     if prov["producer"] == "modelopt":               # mtq.quantize with one of ModelOpt's preset configs
         return {"FP8_DEFAULT_CFG": "e4m3", "NVFP4_DEFAULT_CFG": "e2m1"}[s["config"]]
     if prov["producer"] == "llm-compressor":         # a preset, or config groups with re: / class targets

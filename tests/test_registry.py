@@ -18,7 +18,8 @@ from conftest import CHECKPOINTS
 
 # A producer-made module each target holds without touching codes.
 SOURCE = {"compressed-tensors-w8a8": "llama-ct-w8a8", "awq": "llama-awq-w4g128", "bnb8": "llama-bnb8",
-          "bnb4-nf4": "llama-bnb4-nf4-dq", "bnb4-fp4": "llama-bnb4-fp4", "fp8": "llama-fp8-block"}
+          "bnb4-nf4": "llama-bnb4-nf4-dq", "bnb4-fp4": "llama-bnb4-fp4", "fp8": "llama-fp8-block",
+          "compressed-tensors-fp8": "llama-ct-fp8-dynamic"}
 DEFAULT_SOURCE = "llama-ct-w4a16"
 MODULE = "model.layers.1.mlp.down_proj"
 _TORCH = {"I32": torch.int32, "I64": torch.int64, "I8": torch.int8, "U8": torch.uint8, "F16": torch.float16,
@@ -114,8 +115,11 @@ def test_a_lookup_miss_lists_what_is_registered():
 
 
 # Targets whose plan settles per-module settings: a requantized module too stores exactly the planned
-# tensors (bitsandbytes: the double-quant offset, learnt by encoding once, sizes the quant_state JSON).
-REQUANTIZED = {"bnb4-nf4": "llama-bnb4-fp4", "bnb4-fp4": "llama-bnb4-nf4-dq"}
+# tensors (bitsandbytes: the double-quant offset, learnt by encoding once, sizes the quant_state JSON;
+# compressed-tensors-fp8: scales in the model dtype). name -> (source, request options).
+REQUANTIZED = {"bnb4-nf4": ("llama-bnb4-fp4", dict(blocksize=128, double_quant=True, quant_storage="float32")),
+               "bnb4-fp4": ("llama-bnb4-nf4-dq", dict(blocksize=128, double_quant=True, quant_storage="float32")),
+               "compressed-tensors-fp8": ("llama-ct-w4a16", dict(block_size=(128, 128)))}
 
 
 @pytest.mark.parametrize("name", [t.name for t in targets() if t.plan is not None])
@@ -123,19 +127,23 @@ def test_planned_settings_are_what_a_requantized_module_stores(name):
     from qconv.convert.convert import Options
 
     tgt = target(name)
-    m, source = _read(REQUANTIZED[name])
-    request = Options(name, blocksize=128, double_quant=True, quant_storage="float32")
+    src, options = REQUANTIZED[name]
+    m, source = _read(src)
+    request = Options(name, **options)
     spec, reason = tgt.fit(m, source.spec, request, None)
-    assert reason and spec.group_size == 128 and spec.storage == "F32"
+    assert reason and spec.group_size == 128
     w = source.dequantize()
     make = lambda trial: tgt.requantize(source, w, spec, trial)[0]  # noqa: E731
     settings = _settings(tgt, m, spec, source, False, request, reason, make)
-    assert settings["double_quant"] and settings["nested_offset"] is not None
     qt = make(settings)
     stored = tgt.encode(qt, spec, False)
     assert _shapes(stored) == {k: (d, tuple(shape))
                                for k, (d, shape) in tgt.module_leaves(spec, qt.shape, False, settings).items()}
-    assert float(qt.double_quant.offset) == settings["nested_offset"]
+    if tgt.family == "bnb4":
+        assert spec.storage == "F32" and settings["double_quant"] and settings["nested_offset"] is not None
+        assert float(qt.double_quant.offset) == settings["nested_offset"]
+    else:                                    # compressed-tensors-fp8: llm-compressor's scales, in the model dtype
+        assert settings == {"scale_dtype": "F16"} and stored["weight_scale"][0] == "F16"
 
 
 def test_a_plan_refuses_packed_bytes_its_storage_cannot_hold():

@@ -103,6 +103,11 @@ PAIRS = [
     Pair("ct-w4a16-asym-from-bnb8", qconv("llama-bnb8", "convert", "--to", "compressed-tensors", "--bits", "4", "--group-size", "128", "--asym"), needs="compressed-tensors"),
     Pair("ct-w8a8-from-bnb8", qconv("llama-bnb8", "convert", "--to", "compressed-tensors-w8a8"), needs="compressed-tensors-w8a8"),
     Pair("awq-w4g128-from-bnb8", qconv("llama-bnb8", "convert", "--to", "awq", "--bits", "4", "--group-size", "128"), needs="awq"),
+    # an FP8 release made runnable where FP8 has no kernel (issue 17): vLLM CPU 0.32 on an AVX-512 machine
+    # refuses fine-grained FP8 itself ("Failed to find a kernel that can implement the ScaledMM linear
+    # layer"; docs/consumers.md), and runs qconv's int8 W8A8 and W4A16 of it
+    Pair("ct-w8a8-from-fp8", qconv("llama-fp8-block", "convert", "--to", "compressed-tensors-w8a8"), needs="compressed-tensors-w8a8"),
+    Pair("ct-w4a16-from-fp8", qconv("llama-fp8-block", "convert", "--to", "compressed-tensors", "--bits", "4", "--group-size", "128"), needs="compressed-tensors"),
     # producer-made reference fixtures: prove the harness on files qconv did not write
     Pair("producer-ct-w4a16", producer("llama-ct-w4a16")),
     Pair("producer-ct-w4a16-asym", producer("llama-ct-w4a16-asym")),

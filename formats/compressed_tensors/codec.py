@@ -7,24 +7,27 @@ a symmetric scheme). ``(codes - zeros) * scales`` is then exactly compressed-ten
 ``(q - zp) * scale``, and a symmetric 4-bit code is GPTQ's uint4b8 code. Scales are widened to float32;
 ``spec.scale_dtype`` keeps the stored dtype so that encode writes the same bytes back.
 
-The floating-point formats are read only (read_float): float-quantized FP8 through the e4m3 reader every
+The floating-point formats are read (read_float): float-quantized FP8 through the e4m3 reader every
 FP8 dialect shares (fp8/codec.read_e4m3), nvfp4- and mxfp4-pack-quantized FP4 here (header.py gives
-their layouts and compressed-tensors' arithmetic).
+their layouts and compressed-tensors' arithmetic). float-quantized FP8 is also written (target
+compressed-tensors-fp8: fit_fp8, plan_fp8, requantize_fp8 with llm-compressor's arithmetic, retarget_fp8,
+encode_fp8).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Mapping
 
 import numpy as np
 
 from ...errors import CorruptCheckpoint, UnsupportedFormat
-from .header import (INT, NAIVE, NVFP4, PACKED, READABLE_FORMATS, _PADDED_BITS, _SCALE_DTYPES,
-                                 _padded_range, check, leaves, padded_layout_message)
+from .header import (FP8_TARGET, INT, NAIVE, NVFP4, PACKED, READABLE_FORMATS, _PADDED_BITS, _SCALE_DTYPES,
+                     _padded_range, check, float_leaves, leaves, padded_layout_message)
 from ..core.ir import QuantSpec, QuantTensor
 from ..core.layout import QuantModule
-from ..core.minifloat import E2M1_BOOK, e8m0
+from ..core.minifloat import E2M1_BOOK, E4M3_BOOK, E4M3_MAX, e8m0
 from ..core.packing import pack_int32, unpack_int32, unpack_nibbles_low_first
 from ..fp8.codec import read_e4m3
 from ..storage.safetensors_header import TensorInfo
@@ -274,4 +277,174 @@ def encode(qt: QuantTensor, fmt: str = PACKED, scale_dtype: str | None = None
 
 def encode_for(target: str, qt: QuantTensor, spec: QuantSpec, g_idx: bool) -> dict[str, tuple[str, np.ndarray]]:
     """The registry's encoder of the compressed-tensors targets."""
+    if target == FP8_TARGET:
+        return encode_fp8(qt, spec)
     return encode(qt, INT if target == "compressed-tensors-w8a8" else PACKED, spec.scale_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Target compressed-tensors-fp8: llm-compressor's float-quantized FP8 (FP8_DYNAMIC, FP8_BLOCK)
+
+_MODEL_SCALE = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+
+
+def _structure(block_rows: int, group_size: int) -> str:
+    if block_rows == 0:
+        return "per tensor"
+    if block_rows == 1 and group_size <= 0:
+        return "per channel"
+    return f"in {block_rows} x {group_size} blocks"
+
+
+def fit_fp8(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str | None]:
+    """The spec of a module in compressed-tensors-fp8: e4m3 codes per output channel (FP8_DYNAMIC), or in
+    blocks of --block-size (FP8_BLOCK); without --block-size an e4m3 source in 2-D blocks keeps its
+    blocks. Codes are kept where the source is e4m3 in the same structure (fine-grained FP8 and
+    compressed-tensors FP8_BLOCK in the same blocks, per-channel FP8 into channels) and where it has one
+    scale per tensor (the scale repeated per channel or block: the same weights); everything else is
+    quantized from its exact weights as llm-compressor does (requantize_fp8). The scale dtype here is
+    provisional: plan_fp8 settles it once the model dtype is known. --bits / --group-size / --sym are
+    integer settings and --scale-dtype is llm-compressor's choice (the model dtype): refused."""
+    from ...errors import UsageError
+
+    for option, value in (("--bits", request.bits), ("--group-size", request.group_size),
+                          ("--sym/--asym", request.sym)):
+        if value is not None:
+            raise UsageError(f"{option} is an integer setting; {FP8_TARGET} takes --block-size ROWSxCOLS "
+                             f"(default: one scale per output channel)")
+    if request.scale_dtype is not None:
+        raise UsageError(f"--scale-dtype: {FP8_TARGET} stores scales in the model's dtype, as llm-compressor "
+                         f"does (float32 only where kept scales would round in it)")
+    e4m3 = src.scheme == "e4m3"
+    src_group = src.group_size if (src.group_size or 0) > 0 else -1
+    if request.block_size:
+        block_rows, group = request.block_size
+    elif e4m3 and src.block_rows > 0 and src_group > 0:
+        block_rows, group = src.block_rows, src_group
+    else:
+        block_rows, group = 1, -1
+    if e4m3:
+        scale_dtype = src.scale_dtype if src.scale_dtype in _SCALE_DTYPES else "F32"
+    else:
+        scale_dtype = _MODEL_SCALE.get(m.details.get("dtype"), "F16")
+    spec = QuantSpec("e4m3", 8, group, True, codebook=E4M3_BOOK, scale_dtype=scale_dtype, block_rows=block_rows)
+    if src.scheme == "float":
+        return spec, f"{src.name} weights quantized data-free to e4m3 (no calibration data)"
+    if not e4m3:
+        return spec, f"{src.name} codes become e4m3"
+    if src.block_rows == 0 or (src.block_rows, src_group) == (block_rows, group):
+        return spec, None
+    return spec, f"e4m3 {_structure(src.block_rows, src_group)} become e4m3 {_structure(block_rows, group)}"
+
+
+def plan_fp8(ctx) -> dict:
+    """{"scale_dtype": ...}: the model dtype, where llm-compressor stores its scales (and computes them:
+    requantized modules); for kept codes the model dtype where every kept scale is exactly a value of it
+    (compressed-tensors FP8 -> fp8 -> here gives back the same bytes), else float32, which
+    compressed-tensors reads too and which holds every F16 / BF16 / E8M0 / F32 scale: nothing rounds
+    (fine-grained FP8's float32 amax / 448 is rarely a 16-bit value)."""
+    model = _MODEL_SCALE.get(ctx.dtype, "F32")
+    if ctx.reason or ctx.spec.scale_dtype == model:
+        return {"scale_dtype": model}
+    dtype, stored = ctx.encode({"scale_dtype": "F32"})["weight_scale"]
+    kept = to_float32(stored, dtype)
+    exact = np.array_equal(to_float32(encode_float(kept, model), model), kept)
+    return {"scale_dtype": model if exact else "F32"}
+
+
+def quantize_fp8(w: np.ndarray, dtype: str, block_rows: int, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(codes uint8 [out, in], scales float32 [out, 1] or [ceil(out/B0), ceil(in/B1)]) of a weight, as
+    llm-compressor's oneshot with the FP8_DYNAMIC / FP8_BLOCK presets computes them (its
+    memoryless_minmax observer, compressed-tensors' calculate_qparams and the float-quantized compressor,
+    compressed-tensors 0.19), with the same torch operations in the same dtypes, so the same float model
+    gives the same bytes:
+
+    * the weight in the model dtype (``dtype``; a quantized source's exact weights rounded to it, which
+      is the model llm-compressor would load); blocks: padded with zeros to whole blocks (which do not
+      change a block's range: min and max are taken with 0);
+    * per channel / block: min(amin, 0) and max(amax, 0), scale = max(|min|, |max|) / (896 / 2) in the
+      model dtype (calculate_range's float32 -448..448, its span cast to the model dtype), a zero scale
+      replaced by the model dtype's eps;
+    * codes = e4m3(clamp(x / scale + 0, -448, 448)): the division in the model dtype (a float32 division
+      differs in thousands of codes of the fixtures), the zero point (force-initialised zeros) added as
+      compressed-tensors adds it, torch's cast rounding to nearest even."""
+    import torch
+
+    tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype, torch.float32)
+    x = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(tdtype)
+    out, inp = x.shape
+    q_min, q_max = torch.tensor(-E4M3_MAX), torch.tensor(E4M3_MAX)    # calculate_range: float32 0-dim
+    block = group_size > 0
+    if block:
+        b0, b1 = block_rows, group_size
+        rt, ct = -(-out // b0), -(-inp // b1)
+        x = torch.nn.functional.pad(x, (0, ct * b1 - inp, 0, rt * b0 - out), mode="constant", value=0)
+        x = x.reshape(rt, b0, ct, b1).transpose(1, 2)                   # [rt, ct, b0, b1]
+        lo, hi = x.amin(dim=(-2, -1)), x.amax(dim=(-2, -1))
+    elif inp == 0:                                                     # no inputs: a range of [0, 0]
+        lo = hi = torch.zeros((out, 1), dtype=tdtype)
+    else:
+        lo, hi = x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
+    lo = torch.min(lo, torch.zeros_like(lo))
+    hi = torch.max(hi, torch.zeros_like(hi))
+    amax = torch.max(torch.abs(lo), torch.abs(hi))
+    scale = amax / ((q_max - q_min).to(amax.dtype) / 2)
+    scale = torch.where(scale == 0, torch.tensor(torch.finfo(scale.dtype).eps, dtype=scale.dtype), scale)
+    s = scale.unsqueeze(-1).unsqueeze(-1) if block else scale
+    scaled = x / s
+    scaled += torch.zeros_like(s)
+    codes = torch.clamp(scaled, q_min, q_max).to(torch.float8_e4m3fn)
+    if block:
+        codes = codes.transpose(1, 2).reshape(rt * b0, ct * b1)[:out, :inp]
+    return (codes.contiguous().view(torch.uint8).numpy(),
+            scale.to(torch.float32).numpy().astype(np.float32, copy=False))
+
+
+def _fp8_tensor(codes: np.ndarray, scales: np.ndarray, spec: QuantSpec, dtype: str) -> QuantTensor:
+    """Codes and scales in the target's layout -> a QuantTensor (scales expanded to one row per output
+    row, as read_e4m3 gives them)."""
+    rows = np.arange(codes.shape[0]) // spec.block_rows
+    return QuantTensor(spec, codes.shape, dtype, codes=codes, scales=np.ascontiguousarray(scales[rows]))
+
+
+def requantize_fp8(source, w: np.ndarray, spec: QuantSpec, settings: Mapping) -> tuple[QuantTensor, QuantTensor]:
+    """A module quantized to e4m3 from its exact weights as llm-compressor quantizes it (quantize_fp8:
+    min-max, no search, so the report's two columns are the same), scales in the planned dtype."""
+    sdt = settings.get("scale_dtype") or _MODEL_SCALE.get(source.dtype, "F32")
+    spec = replace(spec, scale_dtype=sdt)
+    codes, scales = quantize_fp8(w, source.dtype, spec.block_rows, spec.group_size)
+    qt = _fp8_tensor(codes, scales, spec, source.dtype)
+    return qt, qt
+
+
+def retarget_fp8(qt: QuantTensor, spec: QuantSpec, settings: Mapping) -> tuple[QuantTensor, np.ndarray]:
+    """Kept e4m3 codes with their scales in the planned dtype (plan_fp8 picks one that holds them
+    exactly); a per-tensor scale is repeated over every channel / block. exact: the scales as they were,
+    for the report."""
+    sdt = settings.get("scale_dtype") or spec.scale_dtype
+    scales = np.asarray(qt.scales, dtype=np.float32)
+    if qt.spec.block_rows == 0 and spec.group_size > 0:
+        scales = np.repeat(scales[:, :1], -(-qt.shape[1] // spec.group_size), axis=1)
+    stored = to_float32(encode_float(scales, sdt), sdt)
+    return replace(qt, spec=replace(spec, scale_dtype=sdt), scales=np.ascontiguousarray(stored)), scales
+
+
+def encode_fp8(qt: QuantTensor, spec: QuantSpec) -> dict[str, tuple[str, np.ndarray]]:
+    """weight (e4m3 bytes) and weight_scale in qt's scale dtype: one per row (channel) or per block (the
+    first row's of each block of rows, which every row of the block shares); what float_leaves predicts."""
+    sdt = qt.spec.scale_dtype
+    out = qt.shape[0]
+    scales = np.asarray(qt.scales, dtype=np.float32)
+    if spec.group_size > 0:
+        blocks = scales[:: spec.block_rows]
+        if not np.array_equal(blocks[np.arange(out) // spec.block_rows], scales):
+            raise ValueError(f"rows of one {spec.block_rows}-row block hold different scales")
+    else:
+        blocks = scales
+    res = {"weight": ("F8_E4M3", np.ascontiguousarray(qt.codes, dtype=np.uint8)),
+           "weight_scale": (sdt, encode_float(np.ascontiguousarray(blocks), sdt))}
+    planned = float_leaves(spec, qt.shape, scale_dtype=sdt)
+    stored = {leaf: (d, tuple(a.shape)) for leaf, (d, a) in res.items()}
+    if stored != planned:
+        raise ValueError(f"stores {stored}, but {planned} were planned")
+    return res

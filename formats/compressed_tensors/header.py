@@ -29,7 +29,8 @@ Before 0.18.0 (commit 66e631f6) a word held 32//b whole codes and left its high 
 6- and 7-bit files of the two eras differ (in=256, 3-bit: 26 words a row padded, 24 dense); 1/2/4/8-bit
 layouts are the same in every release. qconv reads the dense layout and refuses the padded one.
 
-Floating-point formats (FORMATS.md §10.3-10.5; read, never written), symmetric only::
+Floating-point formats (FORMATS.md §10.3-10.5), symmetric only; float-quantized FP8 per channel and
+in blocks is also written (target compressed-tensors-fp8: float_leaves / float_config, codec.*_fp8)::
 
   format "float-quantized" (llm-compressor FP8, FP8_DYNAMIC, FP8_BLOCK)
     P.weight             F8_E4M3 [out, in]
@@ -81,7 +82,7 @@ READABLE_FORMATS = (PACKED, INT, NAIVE)    # integer formats: read and written
 FLOAT = "float-quantized"
 NVFP4 = "nvfp4-pack-quantized"
 MXFP4 = "mxfp4-pack-quantized"
-FLOAT_FORMATS = (FLOAT, NVFP4, MXFP4)      # floating-point formats: read only
+FLOAT_FORMATS = (FLOAT, NVFP4, MXFP4)      # floating-point formats: read (FLOAT also written)
 MIXED = "mixed-precision"
 # The release whose layout config_for describes (dense sub-byte packing, no act-order g_idx).
 LAYOUT_VERSION = "0.19.0"
@@ -897,3 +898,76 @@ def writer_config(fmt: str):
         distinct = {(s.bits, s.group_size if s.group_size > 0 else -1, s.symmetric) for s in ctx.specs.values()}
         return config_for(ctx.specs, ignore=ignore, fmt=fmt, class_targets=len(distinct) == 1)
     return config
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry's writer hooks of target compressed-tensors-fp8: llm-compressor's float-quantized FP8
+# (codec.fit_fp8 / plan_fp8 / requantize_fp8 / retarget_fp8 decide and compute the data)
+
+FP8_TARGET = "compressed-tensors-fp8"
+
+
+def float_leaves(spec: "QuantSpec", shape: tuple[int, int], g_idx: bool = False, *,
+                 scale_dtype: str | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """What codec.encode_fp8 stores for an e4m3 module (stdlib, predicted before any data): the e4m3
+    ``weight`` [out, in] and ``weight_scale`` in ``scale_dtype`` (the plan's: the model dtype, as
+    llm-compressor stores it, or float32 where kept scales would round): strategy "channel" [out, 1]
+    (block_rows 1, one group per row), "block" [ceil(out/B0), ceil(in/B1)] (block_rows B0, group B1;
+    last blocks partial)."""
+    out, inp = shape
+    sdt = scale_dtype or spec.scale_dtype
+    if spec.scheme != "e4m3" or spec.block_rows < 1 or (spec.group_size <= 0 and spec.block_rows != 1):
+        raise ValueError(f"compressed-tensors float-quantized stores e4m3 codes per channel or in 2-D blocks, "
+                         f"not {spec.name} in blocks of {spec.block_rows} x {spec.group_size}")
+    if g_idx:
+        raise ValueError("compressed-tensors float-quantized stores no g_idx")
+    if sdt not in _SCALE_DTYPES:
+        raise ValueError(f"scale dtype {sdt!r}: compressed-tensors scales are {', '.join(_SCALE_DTYPES)}")
+    scales = (out, 1) if spec.group_size <= 0 else (-(-out // spec.block_rows), -(-inp // spec.group_size))
+    return {"weight": ("F8_E4M3", (out, inp)), "weight_scale": (sdt, scales)}
+
+
+def _float_weights(spec: "QuantSpec") -> dict:
+    """The ``weights`` QuantizationArgs of llm-compressor's FP8_DYNAMIC (channel) / FP8_BLOCK presets.
+    ``observer`` is null, as qconv's integer writers write it: nothing reads it from a compressed
+    checkpoint, and kept codes were not made by llm-compressor's observer."""
+    block = spec.group_size > 0
+    return {"actorder": None, "block_structure": [int(spec.block_rows), int(spec.group_size)] if block else None,
+            "dynamic": False, "group_size": None, "num_bits": 8, "observer": None, "observer_kwargs": {},
+            "scale_dtype": None, "strategy": "block" if block else "channel", "symmetric": True,
+            "type": "float", "zp_dtype": None}
+
+
+def _float_activations(spec: "QuantSpec") -> dict:
+    """The presets' input activations, quantized to e4m3 at run time (nothing stored): FP8_DYNAMIC per
+    token, FP8_BLOCK per group of 128 inputs (here the weights' column block, 128 in the preset)."""
+    block = spec.group_size > 0
+    return {"actorder": None, "block_structure": None, "dynamic": True,
+            "group_size": int(spec.group_size) if block else None, "num_bits": 8, "observer": None,
+            "observer_kwargs": {}, "scale_dtype": None, "strategy": "group" if block else "token",
+            "symmetric": True, "type": "float", "zp_dtype": None}
+
+
+def float_config(ctx) -> dict:
+    """The quantization_config llm-compressor writes for FP8_DYNAMIC / FP8_BLOCK: one float-quantized
+    group targeting the class "Linear" (one group per structure, targeting exact names, where modules
+    differ), ``ignore`` the Linears left in float by exact name, in the order transformers lists modules
+    (the decoder's first, top-level heads such as lm_head last)."""
+    by_structure: dict[tuple, list[str]] = {}
+    for name in sorted(ctx.specs, key=natural_key):
+        spec = ctx.specs[name]
+        if spec.scheme != "e4m3":
+            raise ValueError(f"{name}: compressed-tensors-fp8 stores e4m3 codes, not {spec.name}")
+        key = (int(spec.block_rows), int(spec.group_size) if spec.group_size > 0 else -1)
+        by_structure.setdefault(key, []).append(name)
+    groups = {}
+    for i, names in enumerate(by_structure.values()):
+        spec = ctx.specs[names[0]]
+        groups[f"group_{i}"] = {"format": FLOAT, "input_activations": _float_activations(spec),
+                                "output_activations": None,
+                                "targets": ["Linear"] if len(by_structure) == 1 else list(names),
+                                "weights": _float_weights(spec)}
+    ignore = sorted((n for n in ctx.unquantized if _ignorable(n)), key=lambda n: ("." not in n, natural_key(n)))
+    return {"config_groups": groups, "format": FLOAT, "global_compression_ratio": None, "ignore": ignore,
+            "kv_cache_scheme": None, "quant_method": QUANT_METHOD, "quantization_status": "compressed",
+            "sparsity_config": {}, "transform_config": {}, "version": LAYOUT_VERSION}

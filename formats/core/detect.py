@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..bnb import header as bnb
-from ..modelopt import header as modelopt
 from ..storage.checkpoint import Component
 from .layout import QuantModule, natural_key
-from .registry import decoded_config_methods, families, family
+from .registry import decoded_config_methods, dialects, families, family
 from ..storage.safetensors_header import TensorInfo
 
 # Report names of families and config methods (a config method that is not a family's name, such as
@@ -61,8 +60,10 @@ def config_method(qc: Mapping | None) -> str | None:
         return "auto-round"
     if method is None and "bits" in qc:          # a bare AutoGPTQ quantize_config.json
         return "gptq"
-    if method is None and modelopt.is_side_config(qc):   # a bare ModelOpt hf_quant_config.json
-        return modelopt.METHOD
+    if method is None:                           # a bare side config a dialect recognises (ModelOpt's)
+        for dialect in dialects():
+            if dialect.bare is not None and dialect.bare(qc):
+                return dialect.name
     return str(method)
 
 

@@ -45,8 +45,13 @@ def require_decodable(comp: Component) -> Detection:
                                 "quantize_config.json says how they were written (zero-point format, "
                                 "symmetry, bits); no loader reads them as quantized", file=first.file,
                                 tensor=first.name)
+    declared = _declared_experts(comp.config)
     for m in det.modules:
         check_module(det, m, tensors)
+        if m.experts and declared is not None and m.experts != declared[1]:
+            info = tensors[m.weight_tensors[0]]
+            raise CorruptCheckpoint(f"{m.experts} fused experts, but config.json's {declared[0]} is {declared[1]}: "
+                                    f"loaders build {declared[1]}", file=info.file, tensor=info.name)
         clash = tensors.get(m.name + ".weight")
         if clash is not None and clash.name not in det.claimed_tensors:
             raise CorruptCheckpoint(f"a plain weight beside the module's packed {m.weight_tensors[0]!r}: no "
@@ -59,6 +64,19 @@ def require_decodable(comp: Component) -> Detection:
                                 f"decoded, and copied it would pass for a plain weight",
                                 file=tensors[name].file, tensor=name)
     return det
+
+
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _declared_experts(config) -> tuple[str, int] | None:
+    """(key, count) of the routed experts the model config declares (its text_config for a VLM)."""
+    config = config.get("text_config", config) if isinstance(config, dict) else None
+    for key in EXPERT_COUNT_KEYS:
+        value = config.get(key) if isinstance(config, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return key, value
+    return None
 
 
 def _unaccounted_problem(name: str, tensors) -> str:

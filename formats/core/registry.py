@@ -68,6 +68,9 @@ class Dialect:
     # (qc) -> (error class, message) for a config under which nothing can be decoded (a block size that
     # is not one, a field of the wrong type), refused naming the config file; None: no such check
     refuse: Callable | None = None
+    # (doc) -> whether a stand-alone config without quant_method is this dialect's (ModelOpt's
+    # hf_quant_config.json); detect.config_method then names the method config_methods' first
+    bare: Callable | None = None
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -77,6 +80,10 @@ _DIALECTS: dict[str, Dialect] = {}
 def register(entry):
     (_FAMILIES if isinstance(entry, Family) else _DIALECTS)[entry.name] = entry
     return entry
+
+
+def dialects() -> tuple[Dialect, ...]:
+    return tuple(_DIALECTS.values())
 
 
 def dialects_for(config_method: str | None) -> tuple[Dialect, ...]:
@@ -110,6 +117,7 @@ def _register_builtin() -> None:
     from ..fp8 import header as fp8
     from ..gptq import header as gptq
     from ..modelopt import header as modelopt
+    from ..mxfp4 import header as mxfp4
 
     def awq_packed(qc) -> bool:                 # auto-round's AWQ packing (auto_round:auto_awq)
         return bool(qc) and awq.is_auto_round(qc) and gptq.normalise_packing_format(qc) == awq.AUTO_ROUND_AWQ
@@ -149,12 +157,17 @@ def _register_builtin() -> None:
     register(Family("modelopt", "ModelOpt", frozenset({"modelopt"}), lambda method, qc: method == "modelopt",
                     modelopt.find_modules, modelopt.check, "modelopt.codec", modelopt.settings,
                     scale_tensor=".weight_scale", symmetric=lambda m, qc: True, rows=1))
+    # gpt-oss MXFP4: fused 3-D experts (*_blocks / *_scales), one module per fused tensor; mxfp4/.
+    register(Family("mxfp4", "gpt-oss MXFP4", frozenset({"mxfp4"}), lambda method, qc: method == "mxfp4",
+                    mxfp4.find_modules, mxfp4.check, "mxfp4.codec", mxfp4.settings, scale_tensor="_scales",
+                    symmetric=lambda m, qc: True, rows=1))
     register(Dialect("bitsandbytes", frozenset({"bnb8", "bnb4", "bitsandbytes"}), bnb.lint))
     register(Dialect("gptq", frozenset({"gptq", "auto-round"}), gptq.lint))
     register(Dialect("awq", frozenset({"awq"}), awq.lint))
     register(Dialect("compressed-tensors", frozenset({"compressed-tensors"}), compressed_tensors.lint))
     register(Dialect("fp8", frozenset({"fp8"}), fp8.lint, refuse=fp8.refuse))
-    register(Dialect("modelopt", frozenset({"modelopt"}), modelopt.lint))
+    register(Dialect("modelopt", frozenset({"modelopt"}), modelopt.lint, bare=modelopt.is_side_config))
+    register(Dialect("mxfp4", frozenset({"mxfp4"}), mxfp4.lint, refuse=mxfp4.refuse))
 
 
 _register_builtin()
@@ -361,6 +374,16 @@ def _register_targets() -> None:
                            compressed_tensors.writer_leaves(compressed_tensors.INT),
                            compressed_tensors.writer_config(compressed_tensors.INT), "compressed_tensors.codec",
                            activations="int8 per token, dynamic"))
+    # llm-compressor's float-quantized FP8 (FP8_DYNAMIC per channel; FP8_BLOCK with --block-size): its own
+    # fit, plan (scales in the model dtype), quantizer (llm-compressor's arithmetic) and retarget (codes
+    # kept from e4m3 sources in the same structure); compressed_tensors/.
+    register_target(Target(compressed_tensors.FP8_TARGET, "ct",
+                           Caps(frozenset({8}), asym=False, grouped=False, divisor_scale="F32"),
+                           compressed_tensors.float_leaves, compressed_tensors.float_config, "compressed_tensors.codec",
+                           fit=_lazy("compressed_tensors.codec", "fit_fp8"),
+                           plan=_lazy("compressed_tensors.codec", "plan_fp8"),
+                           requantize=_lazy("compressed_tensors.codec", "requantize_fp8"),
+                           retarget=_lazy("compressed_tensors.codec", "retarget_fp8")))
     register_target(Target("awq", "awq", Caps(frozenset({4}), per_row=False, scale_dtypes=frozenset({"F16", "BF16"}),
                                               fallback_bits=4, one_group_size=True),
                            awq.writer_leaves, awq.writer_config, "awq.codec"))
