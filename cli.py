@@ -209,7 +209,8 @@ def _common(fn):
 @click.option("--quant-storage", type=click.Choice(api.QUANT_STORAGES), default=None,
               help="bnb4 targets: storage dtype of the packed weight (default: the source's, else uint8).")
 @click.option("--block-size", default=None, metavar="ROWSxCOLS",
-              help="fp8: the 2-D block of each scale (default: the source's FP8 block, else 128x128).")
+              help="fp8, compressed-tensors-fp8: the 2-D block of each scale (default: the source's FP8 "
+                   "block, else 128x128 for fp8 and one scale per channel for compressed-tensors-fp8).")
 @_common
 def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, double_quant, quant_storage,
                 block_size, overwrite, max_shard_size, as_json, validate) -> int:

@@ -63,6 +63,19 @@ class QuantModule:
         return None
 
 
+def refuse_problems(m: QuantModule, tensors: Mapping, qc: Mapping | None = None) -> None:
+    """A family's check for modules whose find lists every problem (fine-grained FP8, ModelOpt, gpt-oss
+    MXFP4): the first, as UnsupportedFormat where details["unsupported"] lists it (a layout or width
+    qconv does not decode), else CorruptCheckpoint, naming the file and the module's weight."""
+    if not m.problems:
+        return
+    from ...errors import CorruptCheckpoint, UnsupportedFormat
+
+    first = m.problems[0]
+    cls = UnsupportedFormat if first in m.details.get("unsupported", ()) else CorruptCheckpoint
+    raise cls(first + "; cannot decode it", file=m.file(tensors), tensor=m.weight_tensors[0])
+
+
 _NUM = re.compile(r"(\d+)")
 
 

@@ -37,7 +37,7 @@ from typing import Mapping
 
 from ...errors import CorruptCheckpoint, UnsupportedFormat
 from ..awq.header import not_converted_by
-from ..core.layout import QuantModule, common
+from ..core.layout import QuantModule, common, refuse_problems
 from ..storage.safetensors_header import DTYPES, TensorInfo
 
 WEIGHT_DTYPE = "F8_E4M3"
@@ -184,14 +184,7 @@ def _numel(shape) -> int:
     return n
 
 
-def check(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> None:
-    """Refuse, from headers and config, a module codec.read could not decode exactly: its first
-    problem, UnsupportedFormat or CorruptCheckpoint, naming the file and the weight."""
-    if not m.problems:
-        return
-    first = m.problems[0]
-    cls = UnsupportedFormat if first in m.details.get("unsupported", ()) else CorruptCheckpoint
-    raise cls(first + "; cannot decode it", file=m.file(tensors), tensor=m.weight_tensors[0])
+check = refuse_problems      # the first problem find listed, naming the file and the weight
 
 
 def settings(qc: Mapping | None, modules: list[QuantModule]) -> dict:
