@@ -10,7 +10,8 @@ from conftest import copy_checkpoint, run_qconv
 
 Q = "model.layers.0.self_attn.q_proj"
 TARGETS = ["gptq", "gptq-v2", "auto-round", "awq", "bnb8", "bnb4-nf4", "bnb4-fp4", "compressed-tensors",
-           "compressed-tensors-w8a8", "float16", "bfloat16", "float32"]
+           "compressed-tensors-w8a8", "fp8", "compressed-tensors-fp8", "compressed-tensors-fp8 --block-size 128x128",
+           "float16", "bfloat16", "float32"]
 
 
 @pytest.fixture(scope="module", params=[(256, 0), (0, 256)], ids=["in0", "out0"])
@@ -29,7 +30,7 @@ def zero_size(request, tmp_path_factory):
 def test_zero_size_modules_convert_validate_and_read_back(tmp_path, zero_size, to):
     src, shape = zero_size
     out = tmp_path / "out"
-    proc = run_qconv("convert", src, out, "--to", to, "--validate")
+    proc = run_qconv("convert", src, out, "--to", *to.split(), "--validate")
     assert proc.returncode == 0, proc.stderr
     run_qconv("inspect", "--strict", out, check=0)
     run_qconv("dequantize", "--dtype", "float32", out, tmp_path / "float", check=0)

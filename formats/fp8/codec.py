@@ -46,6 +46,10 @@ def read_e4m3(weight: TensorInfo, scale: TensorInfo, block_rows: int, group_size
                                 f"[{r0 + o}, {i}]: no weight decodes from them", file=weight.file,
                                 tensor=weight.name)
     cols = 1 if group_size <= 0 else -(-inp // group_size)
+    if cols == 0:                                          # no input features: no blocks, nothing to scale
+        spec = QuantSpec("e4m3", 8, group_size, True, codebook=E4M3_BOOK, scale_dtype=scale.dtype,
+                         block_rows=block_rows)
+        return QuantTensor(spec, (r1 - r0, inp), dtype, codes=codes, scales=np.zeros((r1 - r0, 0), np.float32))
     lead = expert_rows > 0 or expert is not None           # the scale has a leading experts dimension
     per_expert = scale.shape[1] if lead and len(scale.shape) == 3 else (1 if lead else None)
     r = np.arange(r0, r1)
