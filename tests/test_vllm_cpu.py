@@ -48,7 +48,7 @@ class Pair:
 def qconv(fixture, *command):
     """Quantized = `qconv COMMAND... fixture Q` (COMMAND = "convert", "--to", ...); float = `qconv dequantize Q`."""
     def make(tmp):
-        name = "-".join(c.lstrip("-") for c in command)
+        name = "-".join([fixture, *(c.lstrip("-") for c in command)])      # unique per pair
         quant, flt = tmp / name, tmp / f"{name}-float"
         run_qconv(*command, CHECKPOINTS / fixture, quant, check=0)
         run_qconv("dequantize", quant, flt, check=0)
