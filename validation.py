@@ -111,11 +111,12 @@ class Entry:
     @property
     def eps(self) -> float:
         """The rounding of the stored weight or scales: their dtype's unit roundoff (float32 where a
-        format says nothing, as bitsandbytes' float32 SCB and absmax)."""
+        format says nothing, as bitsandbytes' float32 SCB and absmax), or the rounding of the product
+        where the producer rounds it through a narrower float (compressed-tensors' NVFP4: bfloat16)."""
         m = self.module
         if m is None:
             return ULP.get(self.info.dtype, 0.0)
-        return ULP.get(m.details.get("scales_dtype"), ULP["F32"])
+        return max(ULP.get(m.details.get("scales_dtype"), ULP["F32"]), ULP.get(m.details.get("product_dtype"), 0.0))
 
 
 # transformers 5's fused expert tensors (layout.QuantModule.experts): compared as their stacked rows.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from typing import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -391,11 +392,12 @@ def _layer_error(w: np.ndarray, qt: QuantTensor, rtn: QuantTensor):
     return LayerError(rel, mx, sq, rtn_rel, rtn_sq)
 
 
-def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, cache: _ModuleCache,
-                    stats: Stats, src_dtype: str, with_g_idx: bool,
-                    lossy: str | None) -> tuple[list[OutTensor], dict]:
-    """The module's output tensors, planned from headers (data encoded only when the writer asks), and
-    the write settings its target's plan gave it (Target.plan; {} for targets without one)."""
+def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, cache: _ModuleCache,
+                   stats: Stats, src_dtype: str, with_g_idx: bool, lossy: str | None):
+    """(settings, outputs) for one module: the write settings its target's plan gives it (Target.plan;
+    {} for targets without one), and outputs(settings) -> its output tensors, planned from headers
+    (data encoded only when the writer asks). Every module is planned before any is laid out, so that
+    a target's share hook can settle what modules hold in common (Target.share)."""
     out, inp = m.out_features, m.in_features
     # GPTQ targets always carry g_idx, as GPTQModel and AutoGPTQ write it (trivial, i // group, without
     # act-order): loaders that expect it get real values, and GPTQ -> v2 -> GPTQ is byte-identical.
@@ -427,17 +429,24 @@ def _module_outputs(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, c
         except ValueError as exc:             # data the header-level plan could not see (zero points)
             raise _refuse(m, comp, f"cannot be stored as {opts.to}: {exc}") from None
 
+    def weights():
+        source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
+        return _exact_weights(comp, m, source)
+
     settings = {}
     if tgt.plan is not None:                  # settings the header needs first (a nested double-quant offset)
         settings = tgt.plan(ModuleContext(m, spec, lossy, opts, m.details.get("dtype") or src_dtype,
-                                          lambda trial: encoded(Stats(), trial)))
+                                          lambda trial: encoded(Stats(), trial), weights))
 
-    def tensor(leaf, dtype, shape):
-        return OutTensor(f"{m.name}.{leaf}", dtype, shape,
-                         lambda: [cache.get(m.name, lambda: encoded(stats, settings))[leaf][1]])
+    def outputs(settings: dict) -> list[OutTensor]:
+        def tensor(leaf, dtype, shape):
+            return OutTensor(f"{m.name}.{leaf}", dtype, shape,
+                             lambda: [cache.get(m.name, lambda: encoded(stats, settings))[leaf][1]])
 
-    leaves = tgt.module_leaves(spec, (out, inp), write_g_idx, settings)
-    return [tensor(leaf, dtype, shape) for leaf, (dtype, shape) in leaves.items()], settings
+        leaves = tgt.module_leaves(spec, (out, inp), write_g_idx, settings)
+        return [tensor(leaf, dtype, shape) for leaf, (dtype, shape) in leaves.items()]
+
+    return settings, outputs
 
 
 def _linear_modules(comp: Component) -> list[str]:
@@ -483,6 +492,7 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
     if opts.to in PACKED_TARGETS and registered_target(opts.to).caps.one_group_size:
         planned = _one_group_size(comp, modules, planned, opts, src_dtype)
     opts, planned = _written_target(comp, modules, planned, opts, src_dtype)
+    writers = {}
     for m in modules:
         src_spec, act_order, spec, lossy = planned[m.name]
         specs[m.name] = spec
@@ -490,9 +500,16 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
         with_g_idx = desc_act and act_order and not lossy
         if with_g_idx:
             act_order_kept.append(m.name)
-        tensors, settings[m.name] = _module_outputs(comp, det, m, spec, opts, cache, stats, src_dtype, with_g_idx,
-                                                    lossy)
-        for t in tensors:
+        settings[m.name], writers[m.name] = _module_writer(comp, det, m, spec, opts, cache, stats, src_dtype,
+                                                           with_g_idx, lossy)
+    tgt = registered_target(opts.to)
+    if tgt.share is not None:
+        try:
+            settings = tgt.share(settings)
+        except ValueError as exc:
+            raise UnsupportedFormat(f"cannot be written as {opts.to}: {exc}", file=comp.path) from None
+    for m in modules:
+        for t in writers[m.name](settings[m.name]):
             outputs[t.name] = t
     for name, info in comp.tensors.items():
         if name not in claimed:
@@ -515,7 +532,22 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
             "max_rel_frobenius": max((r["rel_frobenius"] for r in layers), default=0.0),
             "sq_error_vs_rtn": round(sq / rtn, 4) if rtn else None, "layers": layers, **written,
             "v1_zero_points": sorted(stats.v1_zero, key=natural_key),
-            "warnings": list(det.warnings) + _v1_zero_warning(stats)}
+            "warnings": list(det.warnings) + _v1_zero_warning(stats) + _activation_warning(modules, outputs, opts)}
+
+
+# Static activation quantization stored beside a weight (FP8 static, NVFP4 W4A4, ModelOpt): calibrated on
+# data, so no data-free writer can make it, and none of qconv's targets stores it.
+ACTIVATION_LEAVES = ("input_scale", "input_global_scale", "input_zero_point")
+
+
+def _activation_warning(modules: list[QuantModule], outputs: Mapping, opts: Options) -> list[str]:
+    dropped = sorted((t for m in modules for t in m.state_tensors
+                      if t.rsplit(".", 1)[-1] in ACTIVATION_LEAVES and t not in outputs), key=natural_key)
+    if not dropped:
+        return []
+    act = registered_target(opts.to).activations
+    return [f"{len(dropped)} static activation scales are not carried ({examples(dropped)}): {opts.to} "
+            f"stores none{f'; its activations are {act}' if act else ''}"]
 
 
 def _v1_zero_warning(stats: Stats) -> list[str]:

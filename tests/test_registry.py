@@ -19,7 +19,7 @@ from conftest import CHECKPOINTS
 # A producer-made module each target holds without touching codes.
 SOURCE = {"compressed-tensors-w8a8": "llama-ct-w8a8", "awq": "llama-awq-w4g128", "bnb8": "llama-bnb8",
           "bnb4-nf4": "llama-bnb4-nf4-dq", "bnb4-fp4": "llama-bnb4-fp4", "fp8": "llama-fp8-block",
-          "compressed-tensors-fp8": "llama-ct-fp8-dynamic"}
+          "compressed-tensors-fp8": "llama-ct-fp8-dynamic", "compressed-tensors-nvfp4": "llama-ct-nvfp4a16"}
 DEFAULT_SOURCE = "llama-ct-w4a16"
 MODULE = "model.layers.1.mlp.down_proj"
 _TORCH = {"I32": torch.int32, "I64": torch.int64, "I8": torch.int8, "U8": torch.uint8, "F16": torch.float16,
@@ -43,15 +43,16 @@ def _kept(tgt, qt, spec, settings):
 
 
 def _settings(tgt, m, spec, qt, g_idx, request=None, reason=None, make=None):
-    """The settings the target's plan gives the module ({} without a plan); make(settings) -> the
-    QuantTensor it encodes (default: qt kept)."""
+    """The settings the target's plan gives the module ({} without a plan), then its share hook as for
+    a model of this one module; make(settings) -> the QuantTensor it encodes (default: qt kept)."""
     if tgt.plan is None:
         return {}
     from qconv.convert.convert import Options
 
     make = make or (lambda trial: _kept(tgt, qt, spec, trial))
-    return tgt.plan(ModuleContext(m, spec, reason, request or Options(tgt.name), qt.dtype,
-                                  lambda trial: tgt.encode(make(trial), spec, g_idx)))
+    settings = tgt.plan(ModuleContext(m, spec, reason, request or Options(tgt.name), qt.dtype,
+                                      lambda trial: tgt.encode(make(trial), spec, g_idx), qt.dequantize))
+    return tgt.share({m.name: settings})[m.name] if tgt.share is not None else settings
 
 
 def _shapes(stored):
@@ -119,7 +120,8 @@ def test_a_lookup_miss_lists_what_is_registered():
 # compressed-tensors-fp8: scales in the model dtype). name -> (source, request options).
 REQUANTIZED = {"bnb4-nf4": ("llama-bnb4-fp4", dict(blocksize=128, double_quant=True, quant_storage="float32")),
                "bnb4-fp4": ("llama-bnb4-nf4-dq", dict(blocksize=128, double_quant=True, quant_storage="float32")),
-               "compressed-tensors-fp8": ("llama-ct-w4a16", dict(block_size=(128, 128)))}
+               "compressed-tensors-fp8": ("llama-ct-w4a16", dict(block_size=(128, 128))),
+               "compressed-tensors-nvfp4": ("llama-ct-w4a16", {})}
 
 
 @pytest.mark.parametrize("name", [t.name for t in targets() if t.plan is not None])
@@ -131,7 +133,7 @@ def test_planned_settings_are_what_a_requantized_module_stores(name):
     m, source = _read(src)
     request = Options(name, **options)
     spec, reason = tgt.fit(m, source.spec, request, None)
-    assert reason and spec.group_size == 128
+    assert reason and spec.group_size == (16 if name == "compressed-tensors-nvfp4" else 128)
     w = source.dequantize()
     make = lambda trial: tgt.requantize(source, w, spec, trial)[0]  # noqa: E731
     settings = _settings(tgt, m, spec, source, False, request, reason, make)
@@ -142,6 +144,11 @@ def test_planned_settings_are_what_a_requantized_module_stores(name):
     if tgt.family == "bnb4":
         assert spec.storage == "F32" and settings["double_quant"] and settings["nested_offset"] is not None
         assert float(qt.double_quant.offset) == settings["nested_offset"]
+    elif name == "compressed-tensors-nvfp4":  # one global scale, 2688 / absmax in the model dtype
+        g = settings["global_scale"]
+        assert g == np.float32(np.float16(448 * 6) / np.float16(np.abs(w).max())) or \
+            abs(g * np.abs(w).max() / 2688 - 1) < 2.0**-10
+        assert stored["weight_global_scale"][1].tolist() == [g]
     else:                                    # compressed-tensors-fp8: llm-compressor's scales, in the model dtype
         assert settings == {"scale_dtype": "F16"} and stored["weight_scale"][0] == "F16"
 

@@ -108,6 +108,10 @@ PAIRS = [
     # layer"; docs/consumers.md), and runs qconv's int8 W8A8 and W4A16 of it
     Pair("ct-w8a8-from-fp8", qconv("llama-fp8-block", "convert", "--to", "compressed-tensors-w8a8"), needs="compressed-tensors-w8a8"),
     Pair("ct-w4a16-from-fp8", qconv("llama-fp8-block", "convert", "--to", "compressed-tensors", "--bits", "4", "--group-size", "128"), needs="compressed-tensors"),
+    # NVFP4A16 (llm-compressor's bytes): vLLM's CPU build has no FP4 kernel and says so
+    Pair("ct-nvfp4-from-fp16", qconv("llama-fp16", "convert", "--to", "compressed-tensors-nvfp4"), expect="refused",
+         refusal="Marlin FP4 not available", needs="compressed-tensors-nvfp4",
+         note="vLLM CPU 0.32 has no NVFP4 kernel (Marlin FP4 / CUTLASS run it on GPUs); not a qconv failure"),
     # producer-made reference fixtures: prove the harness on files qconv did not write
     Pair("producer-ct-w4a16", producer("llama-ct-w4a16")),
     Pair("producer-ct-w4a16-asym", producer("llama-ct-w4a16-asym")),

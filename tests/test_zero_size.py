@@ -11,7 +11,7 @@ from conftest import copy_checkpoint, run_qconv
 Q = "model.layers.0.self_attn.q_proj"
 TARGETS = ["gptq", "gptq-v2", "auto-round", "awq", "bnb8", "bnb4-nf4", "bnb4-fp4", "compressed-tensors",
            "compressed-tensors-w8a8", "fp8", "compressed-tensors-fp8", "compressed-tensors-fp8 --block-size 128x128",
-           "float16", "bfloat16", "float32"]
+           "compressed-tensors-nvfp4", "float16", "bfloat16", "float32"]
 
 
 @pytest.fixture(scope="module", params=[(256, 0), (0, 256)], ids=["in0", "out0"])

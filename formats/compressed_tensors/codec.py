@@ -23,11 +23,12 @@ from typing import Mapping
 import numpy as np
 
 from ...errors import CorruptCheckpoint, UnsupportedFormat
-from .header import (FP8_TARGET, INT, NAIVE, NVFP4, PACKED, READABLE_FORMATS, _PADDED_BITS, _SCALE_DTYPES,
-                     _padded_range, check, float_leaves, leaves, padded_layout_message)
+from .header import (FP8_TARGET, INT, NAIVE, NVFP4, NVFP4_GROUP, NVFP4_TARGET, PACKED, READABLE_FORMATS,
+                     _PADDED_BITS, _SCALE_DTYPES, _padded_range, check, float_leaves, fused_group, leaves,
+                     nvfp4_leaves, padded_layout_message)
 from ..core.ir import QuantSpec, QuantTensor
 from ..core.layout import QuantModule
-from ..core.minifloat import E2M1_BOOK, E4M3_BOOK, E4M3_MAX, e8m0
+from ..core.minifloat import E2M1, E2M1_BOOK, E4M3_BOOK, E4M3_MAX, e4m3_bytes, e8m0
 from ..core.packing import pack_int32, unpack_int32, unpack_nibbles_low_first
 from ..fp8.codec import read_e4m3
 from ..storage.safetensors_header import TensorInfo
@@ -279,6 +280,8 @@ def encode_for(target: str, qt: QuantTensor, spec: QuantSpec, g_idx: bool) -> di
     """The registry's encoder of the compressed-tensors targets."""
     if target == FP8_TARGET:
         return encode_fp8(qt, spec)
+    if target == NVFP4_TARGET:
+        return encode_nvfp4(qt, spec)
     return encode(qt, INT if target == "compressed-tensors-w8a8" else PACKED, spec.scale_dtype)
 
 
@@ -444,6 +447,178 @@ def encode_fp8(qt: QuantTensor, spec: QuantSpec) -> dict[str, tuple[str, np.ndar
     res = {"weight": ("F8_E4M3", np.ascontiguousarray(qt.codes, dtype=np.uint8)),
            "weight_scale": (sdt, encode_float(np.ascontiguousarray(blocks), sdt))}
     planned = float_leaves(spec, qt.shape, scale_dtype=sdt)
+    stored = {leaf: (d, tuple(a.shape)) for leaf, (d, a) in res.items()}
+    if stored != planned:
+        raise ValueError(f"stores {stored}, but {planned} were planned")
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Target compressed-tensors-nvfp4: llm-compressor's NVFP4A16 (nvfp4-pack-quantized, weights only)
+
+E2M1_MAX = 6.0
+_TORCH_DTYPES = ("float16", "bfloat16")
+
+
+def _nvfp4_spec() -> QuantSpec:
+    return QuantSpec("e2m1", 4, NVFP4_GROUP, True, codebook=E2M1_BOOK, scale_dtype="F8_E4M3", global_scale="divisor")
+
+
+def fit_nvfp4(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str | None]:
+    """The spec of a module in compressed-tensors-nvfp4: e2m1 codes in groups of 16 along each row, an
+    e4m3 scale per group and a float32 global divisor per module. Codes are kept where the source is
+    NVFP4 (compressed-tensors, whose global scale is this one; ModelOpt, whose multiplier becomes its
+    float32 reciprocal, the rounding reported); everything else is quantized from its exact weights as
+    llm-compressor does (requantize_nvfp4). Every option is llm-compressor's choice: refused. A module
+    whose inputs are not whole groups of 16 is refused."""
+    from ...errors import UsageError
+
+    for option, value in (("--bits", request.bits), ("--group-size", request.group_size),
+                          ("--sym/--asym", request.sym), ("--scale-dtype", request.scale_dtype),
+                          ("--block-size", request.block_size)):
+        if value is not None:
+            raise UsageError(f"{option}: {NVFP4_TARGET} is NVFP4 as llm-compressor writes it (e2m1 in groups of "
+                             f"{NVFP4_GROUP}, e4m3 scales, a float32 global scale); it takes no such setting")
+    if m.in_features % NVFP4_GROUP:
+        raise UnsupportedFormat(f"has {m.in_features} input features, not a whole number of NVFP4 groups of "
+                                f"{NVFP4_GROUP}; {NVFP4_TARGET} cannot hold it", tensor=m.name)
+    spec = _nvfp4_spec()
+    if src.scheme == "e2m1" and src.global_scale is not None and src.group_size == NVFP4_GROUP:
+        return spec, None
+    if src.scheme == "float":
+        return spec, f"{src.name} weights quantized data-free to NVFP4 (no calibration data)"
+    return spec, f"{src.name} codes become NVFP4"
+
+
+def _absmax(w: np.ndarray, dtype: str):
+    """The weight's absolute maximum as llm-compressor's observer takes it: over the weight in the model
+    dtype (a torch 0-dim tensor of that dtype)."""
+    import torch
+
+    tdtype = getattr(torch, dtype) if dtype in _TORCH_DTYPES else torch.float32
+    x = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(tdtype)
+    return x.abs().max() if x.numel() else torch.zeros((), dtype=tdtype)
+
+
+def plan_nvfp4(ctx) -> dict:
+    """A requantized module's statistic for its global scale, {"absmax": float, "dtype": model dtype},
+    which share_nvfp4 turns into the global scale of its fused group; a kept module keeps its own
+    ({"global_scale": None}: the source's, in retarget_nvfp4)."""
+    if not ctx.reason:
+        return {"global_scale": None}
+    return {"absmax": float(_absmax(ctx.weights(), ctx.dtype)), "dtype": ctx.dtype}
+
+
+def global_scale(absmax: float, dtype: str) -> float:
+    """compressed-tensors' generate_gparam: 448 * 6 / absmax in the model dtype (the observer's
+    statistics are in it), absmax at least the dtype's smallest normal, NaN and inf replaced by 1, then
+    float32."""
+    import torch
+
+    tdtype = getattr(torch, dtype) if dtype in _TORCH_DTYPES else torch.float32
+    a = torch.clamp(torch.tensor([absmax], dtype=tdtype), min=torch.finfo(tdtype).tiny)
+    g = torch.nan_to_num(E4M3_MAX * E2M1_MAX / a, nan=1.0, posinf=1.0, neginf=1.0)
+    return float(g.to(torch.float32)[0])
+
+
+def share_nvfp4(settings: Mapping[str, dict]) -> dict[str, dict]:
+    """One global scale for the requantized modules vLLM fuses (q/k/v, gate/up, ...: header.fused_group),
+    from their joint absolute maximum, as llm-compressor's fused observers compute it; a module in no
+    group has its own."""
+    joint: dict[str, tuple[float, str]] = {}
+    for name, s in settings.items():
+        if "absmax" in s:
+            key = fused_group(name)
+            a, dtype = joint.get(key, (0.0, s["dtype"]))
+            joint[key] = (max(a, s["absmax"]), dtype)
+    return {name: ({"global_scale": global_scale(*joint[fused_group(name)])} if "absmax" in s else dict(s))
+            for name, s in settings.items()}
+
+
+def quantize_nvfp4(w: np.ndarray, dtype: str, g: float) -> tuple[np.ndarray, np.ndarray]:
+    """(codes uint8 [out, in] e2m1 nibbles, group scales float32 [out, in/16] e4m3 values) of a weight
+    under global scale g, as llm-compressor's NVFP4 oneshot computes them (memoryless_minmax observer,
+    compressed-tensors 0.19 calculate_qparams and the nvfp4 compressor), with the same torch operations:
+
+    * per group of 16 in the model dtype: amax = max(|min(lo, 0)|, max(hi, 0)), amax / 6 in the model
+      dtype, times g in float32, clamped to +-448 and rounded to e4m3 (a zero scale becomes 0.125);
+    * codes: x / (scale / g) in float32, plus the zero point (so -0.0 becomes +0.0), clamped to +-6 and
+      rounded to e2m1 by cast_to_fp4's intervals (ties to even), the sign kept for a value rounded to 0."""
+    import torch
+
+    tdtype = getattr(torch, dtype) if dtype in _TORCH_DTYPES else torch.float32
+    x = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(tdtype)
+    out, inp = x.shape
+    xg = x.reshape(out, inp // NVFP4_GROUP, NVFP4_GROUP)
+    zero = torch.zeros(1, dtype=tdtype)
+    lo, hi = torch.min(xg.amin(-1), zero), torch.max(xg.amax(-1), zero)
+    q_min, q_max = torch.tensor(-E2M1_MAX), torch.tensor(E2M1_MAX)
+    scale = torch.max(lo.abs(), hi.abs()) / ((q_max - q_min).to(tdtype) / 2)
+    gs = torch.tensor([g], dtype=torch.float32)
+    scale = gs * scale
+    fi = torch.finfo(torch.float8_e4m3fn)
+    scale = torch.clamp(scale, fi.min, fi.max).to(torch.float8_e4m3fn).to(torch.float32)
+    scale = torch.where(scale == 0, torch.tensor(0.125, dtype=torch.float32), scale)
+    scaled = xg / (scale / gs).unsqueeze(-1)
+    scaled += torch.zeros((), dtype=tdtype)
+    t = torch.clamp(scaled, q_min, q_max)
+    sign = torch.sign(t)
+    t = torch.abs(t)
+    rounded = torch.zeros_like(t)
+    for lo_, hi_, value, closed in ((0.25, 0.75, 0.5, False), (0.75, 1.25, 1.0, True), (1.25, 1.75, 1.5, False),
+                                    (1.75, 2.5, 2.0, True), (2.5, 3.5, 3.0, False), (3.5, 5.0, 4.0, True)):
+        inside = (t >= lo_) & (t <= hi_) if closed else (t > lo_) & (t < hi_)
+        rounded[inside] = value
+    rounded[t > 5.0] = 6.0
+    q = (rounded * sign).reshape(out, inp)
+    codes = torch.zeros((out, inp), dtype=torch.uint8)
+    magnitude = (q * 2).to(torch.int8).abs()
+    for i, v in enumerate((0, 1, 2, 3, 4, 6, 8, 12)):
+        codes[magnitude == v] = i
+    codes |= torch.signbit(q).to(torch.uint8) << 3
+    return codes.numpy(), scale.numpy()
+
+
+def _nvfp4_tensor(codes: np.ndarray, group_scales: np.ndarray, g: float, spec: QuantSpec, dtype: str) -> QuantTensor:
+    g32 = np.float32(g)
+    return QuantTensor(spec, codes.shape, dtype, codes=codes, scales=(group_scales / g32).astype(np.float32),
+                       group_scales=group_scales, global_scale=g32, product_dtype="bfloat16")
+
+
+def requantize_nvfp4(source, w: np.ndarray, spec: QuantSpec, settings: Mapping) -> tuple[QuantTensor, QuantTensor]:
+    """A module quantized to NVFP4 from its exact weights as llm-compressor quantizes it (quantize_nvfp4:
+    min-max, no search, so the report's two columns are the same), under the global scale share_nvfp4
+    gave its fused group."""
+    g = settings.get("global_scale")
+    if g is None:
+        g = global_scale(float(_absmax(w, source.dtype)), source.dtype)
+    codes, group_scales = quantize_nvfp4(w, source.dtype, g)
+    qt = _nvfp4_tensor(codes, group_scales, g, spec, source.dtype)
+    return qt, qt
+
+
+def retarget_nvfp4(qt: QuantTensor, spec: QuantSpec, settings: Mapping) -> tuple[QuantTensor, np.ndarray | None]:
+    """Kept NVFP4 codes and e4m3 group scales. compressed-tensors' global divisor is kept; ModelOpt's
+    multiplier s2 becomes the divisor float32(1 / s2), and the effective scales e4m3 / (1 / s2) are
+    reported against ModelOpt's e4m3 * s2 where they differ (exact: None when nothing rounds)."""
+    if qt.spec.global_scale == "divisor":
+        return replace(qt, spec=spec, product_dtype="bfloat16"), None
+    g = np.float32(1) / np.float32(qt.global_scale)
+    kept = _nvfp4_tensor(np.asarray(qt.codes), np.asarray(qt.group_scales, dtype=np.float32), g, spec, qt.dtype)
+    exact = np.asarray(qt.scales, dtype=np.float32)
+    return kept, (None if np.array_equal(kept.scales, exact) else exact)
+
+
+def encode_nvfp4(qt: QuantTensor, spec: QuantSpec) -> dict[str, tuple[str, np.ndarray]]:
+    """weight_packed (two e2m1 codes a byte, the even element in the low nibble), weight_scale (e4m3
+    bytes) and weight_global_scale (float32 [1]): what nvfp4_leaves predicts."""
+    codes = np.ascontiguousarray(qt.codes, dtype=np.uint8)
+    if codes.size and int(codes.max()) > 0xF:
+        raise ValueError("e2m1 codes do not fit in 4 bits")
+    res = {"weight_packed": ("U8", np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << 4))),
+           "weight_scale": ("F8_E4M3", e4m3_bytes(qt.group_scales)),
+           "weight_global_scale": ("F32", np.array([qt.global_scale], dtype=np.float32))}
+    planned = nvfp4_leaves(spec, qt.shape)
     stored = {leaf: (d, tuple(a.shape)) for leaf, (d, a) in res.items()}
     if stored != planned:
         raise ValueError(f"stores {stored}, but {planned} were planned")

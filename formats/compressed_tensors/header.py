@@ -678,6 +678,7 @@ def _float_module(prefix: str, tensors: Mapping[str, TensorInfo], p: _Problems, 
                "problem_tensors": tuple(tn for _, tn, _ in ordered)}
     if fmt == NVFP4:
         details["global_scale"] = "divisor"
+        details["product_dtype"] = "BF16"      # decoded through bfloat16 (QuantTensor.product_dtype)
     return QuantModule(prefix, "ct", scheme, bits, out, inp, (code_name,) if code is not None else (), state,
                        group_size=group_size, details=details, problems=tuple(msg for _, _, msg in ordered))
 
@@ -971,3 +972,60 @@ def float_config(ctx) -> dict:
     return {"config_groups": groups, "format": FLOAT, "global_compression_ratio": None, "ignore": ignore,
             "kv_cache_scheme": None, "quant_method": QUANT_METHOD, "quantization_status": "compressed",
             "sparsity_config": {}, "transform_config": {}, "version": LAYOUT_VERSION}
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry's writer hooks of target compressed-tensors-nvfp4: llm-compressor's NVFP4A16
+# (codec.fit_nvfp4 / plan_nvfp4 / share_nvfp4 / requantize_nvfp4 / retarget_nvfp4 compute the data)
+
+NVFP4_TARGET = "compressed-tensors-nvfp4"
+NVFP4_GROUP = 16
+# Modules whose global scale llm-compressor makes one (observers/helpers.py FUSED_LAYER_NAMES): siblings
+# that vLLM fuses into one GEMM (q/k/v, gate/up, DeepSeek's q_a / kv_a, Mixtral's w1 / w3).
+FUSED_LAYER_NAMES = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"),
+                     ("q_a_proj", "kv_a_proj_with_mqa"), ("w1", "w3"))
+
+
+def fused_group(name: str) -> str:
+    """The key modules sharing one NVFP4 global scale have in common: their parent and their group
+    (the module's own name where it is in none)."""
+    parent, _, leaf = name.rpartition(".")
+    for i, group in enumerate(FUSED_LAYER_NAMES):
+        if leaf in group:
+            return f"{parent}.<fused {i}>"
+    return name
+
+
+def nvfp4_leaves(spec: "QuantSpec", shape: tuple[int, int], g_idx: bool = False,
+                 **settings) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """What codec.encode_nvfp4 stores (stdlib, before any data): e2m1 codes two a byte
+    ``weight_packed`` U8 [out, in/2], e4m3 ``weight_scale`` [out, in/16], ``weight_global_scale`` F32 [1]."""
+    out, inp = shape
+    if spec.scheme != "e2m1" or spec.group_size != NVFP4_GROUP or spec.global_scale != "divisor":
+        raise ValueError(f"compressed-tensors NVFP4 stores e2m1 codes in groups of {NVFP4_GROUP} under a "
+                         f"global divisor, not {spec.name} in groups of {spec.group_size}")
+    if g_idx:
+        raise ValueError("compressed-tensors NVFP4 stores no g_idx")
+    if inp % NVFP4_GROUP:
+        raise ValueError(f"{inp} input features are not a whole number of NVFP4 groups of {NVFP4_GROUP}")
+    return {"weight_packed": ("U8", (out, inp // 2)), "weight_scale": ("F8_E4M3", (out, inp // NVFP4_GROUP)),
+            "weight_global_scale": ("F32", (1,))}
+
+
+def nvfp4_config(ctx) -> dict:
+    """The quantization_config llm-compressor writes for NVFP4A16: one nvfp4-pack-quantized group
+    targeting the class "Linear" (weights only: e2m1, tensor_group of 16, e4m3 scales), ``ignore`` the
+    Linears left in float by exact name. ``observer`` is null, as qconv's other writers write it."""
+    for name, spec in ctx.specs.items():
+        if spec.scheme != "e2m1":
+            raise ValueError(f"{name}: {NVFP4_TARGET} stores e2m1 codes, not {spec.name}")
+    weights = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": NVFP4_GROUP,
+               "num_bits": 4, "observer": None, "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn",
+               "strategy": "tensor_group", "symmetric": True, "type": "float", "zp_dtype": None}
+    group = {"format": NVFP4, "input_activations": None, "output_activations": None, "targets": ["Linear"],
+             "weights": weights}
+    ignore = sorted((n for n in ctx.unquantized if _ignorable(n)), key=lambda n: ("." not in n, natural_key(n)))
+    return {"config_groups": {"group_0": group}, "format": NVFP4, "global_compression_ratio": None,
+            "ignore": ignore, "kv_cache_scheme": None, "quant_method": QUANT_METHOD,
+            "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {},
+            "version": LAYOUT_VERSION}

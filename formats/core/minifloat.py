@@ -32,3 +32,15 @@ def e8m0(b: np.ndarray) -> np.ndarray:
     out = np.ldexp(np.float32(1), b.astype(np.int32) - 127).astype(np.float32)
     out[b == 255] = np.nan
     return out
+
+
+def e4m3_bytes(values: np.ndarray) -> np.ndarray:
+    """float32 values that are e4m3 values exactly (decoded scales) -> their e4m3 bytes (+0.0 -> 0x00,
+    -0.0 -> 0x80). Raises ValueError on a value e4m3 does not hold (NaN, beyond 448, between codes)."""
+    v = np.asarray(values, dtype=np.float32)
+    mag = np.abs(v)
+    codes = np.searchsorted(E4M3[:0x7F], mag).astype(np.uint8)     # E4M3[0:0x7F]: 0 .. 448, ascending
+    np.minimum(codes, 0x7E, out=codes)
+    if not np.array_equal(E4M3[codes], mag):
+        raise ValueError("values that are not e4m3 values cannot be stored as e4m3 bytes")
+    return codes | (np.signbit(v).astype(np.uint8) << 7)

@@ -217,6 +217,8 @@ class ModuleContext:
     dtype: str                       # the weight's original dtype ("float16", ...), as its QuantTensor has it
     encode: Callable                 # (settings) -> {leaf: (dtype, array)}: the module read and encoded with
                                      # these settings, statistics discarded (for a setting only the data decides)
+    weights: Callable | None = None  # () -> the module's exact float32 weights [out, in] (a requantized
+                                     # module's statistics: NVFP4's absolute maximum)
 
 
 @dataclass(frozen=True)
@@ -253,6 +255,10 @@ class Target:
     # value only the data decides (bitsandbytes: the nested double-quant offset, which sizes the
     # quant_state JSON). Refusals raise UnsupportedFormat. None: no settings ({}).
     plan: Callable | None = None
+    # ({module: settings}) -> {module: settings}: settings some modules share, settled from every module's
+    # plan before any tensor is written (NVFP4: one global scale for the modules a serving engine fuses,
+    # q/k/v and gate/up, from their joint maximum). None: each module's plan stands.
+    share: Callable | None = None
     # (source, w, spec, settings) -> (qt, rtn): a module whose codes cannot be kept, quantized to spec from
     # its exact weights w (source.dequantize()), with plain round-to-nearest beside it for the report,
     # both QuantTensors in the target's terms. None: convert's integer requantizer (requantize.py).
@@ -384,6 +390,17 @@ def _register_targets() -> None:
                            plan=_lazy("compressed_tensors.codec", "plan_fp8"),
                            requantize=_lazy("compressed_tensors.codec", "requantize_fp8"),
                            retarget=_lazy("compressed_tensors.codec", "retarget_fp8")))
+    # llm-compressor's NVFP4A16 (nvfp4-pack-quantized): its own fit, plan and share (one global scale per
+    # fused q/k/v and gate/up group, from the data), quantizer (llm-compressor's arithmetic) and retarget
+    # (codes kept from NVFP4 in either dialect); compressed_tensors/.
+    register_target(Target(compressed_tensors.NVFP4_TARGET, "ct",
+                           Caps(frozenset({4}), asym=False, per_row=False, scale_dtypes=frozenset({"F8_E4M3"})),
+                           compressed_tensors.nvfp4_leaves, compressed_tensors.nvfp4_config, "compressed_tensors.codec",
+                           fit=_lazy("compressed_tensors.codec", "fit_nvfp4"),
+                           plan=_lazy("compressed_tensors.codec", "plan_nvfp4"),
+                           share=_lazy("compressed_tensors.codec", "share_nvfp4"),
+                           requantize=_lazy("compressed_tensors.codec", "requantize_nvfp4"),
+                           retarget=_lazy("compressed_tensors.codec", "retarget_nvfp4")))
     register_target(Target("awq", "awq", Caps(frozenset({4}), per_row=False, scale_dtypes=frozenset({"F16", "BF16"}),
                                               fallback_bits=4, one_group_size=True),
                            awq.writer_leaves, awq.writer_config, "awq.codec"))
