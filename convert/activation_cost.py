@@ -30,13 +30,25 @@ SAMPLES = 32
 THRESHOLD = 6.0          # LLM.int8's outlier threshold (bitsandbytes' default, what transformers uses)
 
 
-def int8_token_matmul(x: np.ndarray, qt: QuantTensor) -> np.ndarray:
-    """Y = X W^T with X quantized per token to int8, as W8A8 kernels run it (per-channel int8 weights)."""
+def int8_token_matmul(x: np.ndarray, qt: QuantTensor, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """Y = X W^T with X quantized per token to int8, as W8A8 kernels run it (per-channel int8 weights);
+    only the output channels r0:r1 of W where rows is given."""
+    r0, r1 = rows or (0, qt.shape[0])
     sx = np.abs(x).max(axis=1, keepdims=True).astype(np.float64) / 127.0
     xq = np.clip(np.rint(x / np.where(sx > 0, sx, 1.0)), -127, 127)
-    q = qt.codes.astype(np.float64) - qt.zeros.astype(np.float64)          # [out, in], per-channel zeros
-    sw = qt.scales.astype(np.float64)[:, 0] / qt.spec.scale_divisor
+    q = qt.codes[r0:r1].astype(np.float64) - qt.zeros[r0:r1].astype(np.float64)   # [rows, in], per-channel zeros
+    sw = qt.scales[r0:r1].astype(np.float64)[:, 0] / qt.spec.scale_divisor
     return (xq @ q.T) * sx * sw[None, :]
+
+
+BLOCK_ELEMENTS = 1 << 20     # weights of one block of output channels held in float64 at a time
+
+
+def _by_rows(out: int, inp: int, fn) -> np.ndarray:
+    """np.hstack of fn(r0, r1) over blocks of output channels: a layer's float64 weight is never held
+    whole."""
+    step = max(1, BLOCK_ELEMENTS // max(1, inp))
+    return np.hstack([fn(r0, min(out, r0 + step)) for r0 in range(0, out, step)])
 
 
 def _llm_int8(comp: Component, m: QuantModule, x: np.ndarray) -> np.ndarray | None:
@@ -76,18 +88,21 @@ def activation_cost(src: Component, det: Detection, modules: list[QuantModule], 
         target = read_module(out, out_det, written[m.name], out_dtype)
         x = outlier_activations(SAMPLES, m.in_features, seed)
         x64 = x.astype(np.float64)
-        y_float = x64 @ target.dequantize().astype(np.float64).T
-        y_target = int8_token_matmul(x, target)
+        out_f, in_f = m.out_features, m.in_features
+        y_float = _by_rows(out_f, in_f, lambda r0, r1: x64 @ target.dequantize_rows(r0, r1).astype(np.float64).T)
+        y_target = _by_rows(out_f, in_f, lambda r0, r1: int8_token_matmul(x, target, (r0, r1)))
         y_source = _llm_int8(src, m, x) if m.family == "bnb8" else None
         kernel = "bitsandbytes LLM.int8 (threshold 6.0)" if y_source is not None else "float"
         if y_source is None:
             if m.family == "float":
                 from ..formats.storage.tensor_io import read_array, to_float32
                 info = src.tensors[m.weight_tensors[0]]
-                w = to_float32(read_array(info), info.dtype)
+
+                def rows_of(r0, r1, info=info):
+                    return to_float32(read_array(info, rows=(r0, r1)), info.dtype)
             else:
-                w = read_module(src, det, m, src_dtype).dequantize()
-            y_source = x64 @ w.astype(np.float64).T
+                rows_of = read_module(src, det, m, src_dtype).dequantize_rows
+            y_source = _by_rows(out_f, in_f, lambda r0, r1: x64 @ rows_of(r0, r1).astype(np.float64).T)
         kernels.add(kernel)
         layers.append({"module": m.name, "vs_source_matmul": round(_rel(y_target, y_source), 6),
                        "source_matmul_vs_float": round(_rel(y_source, y_float), 6),

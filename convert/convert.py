@@ -385,11 +385,9 @@ class _ModuleCache:
 
 def _layer_error(w: np.ndarray, qt: QuantTensor, rtn: QuantTensor):
     """The error a requantized module adds, next to plain round-to-nearest's (a target's own requantizer)."""
-    from .requantize import LayerError, error
+    from .requantize import layer_error
 
-    rel, mx, sq = error(w, qt.dequantize())
-    rtn_rel, _, rtn_sq = error(w, rtn.dequantize())
-    return LayerError(rel, mx, sq, rtn_rel, rtn_sq)
+    return layer_error(w, qt, rtn)
 
 
 def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, cache: _ModuleCache,

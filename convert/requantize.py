@@ -17,6 +17,7 @@ Groups are contiguous along the input dimension (no act-order); a short last gro
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,10 +66,10 @@ def _sym_candidates(wg, bits):
         yield np.where(negative_peak, amax / np.float32(top + 1) * f, amax / np.float32(top) * f)
 
 
-def quantize(w: np.ndarray, bits: int, group_size: int, sym: bool, scale_dtype: str = "F16",
-             dtype: str = "float16", search: bool = True) -> QuantTensor:
-    """float32 [out, in] -> QuantTensor with unsigned codes, true zero points and stored scales."""
-    wg, mask, gs = _grouped(np.asarray(w, np.float32), group_size)
+def _search(wg: np.ndarray, mask: np.ndarray, bits: int, sym: bool, scale_dtype: str,
+            search: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes [rows, groups, gs], scales, zero points) of a block of rows: the search above, each
+    candidate's error computed in place in one scratch array, so a block's memory is a few copies of it."""
     qmax = (1 << bits) - 1
     if sym:
         mid = np.full(wg.shape[:2], 1 << (bits - 1), np.float32)
@@ -76,12 +77,41 @@ def quantize(w: np.ndarray, bits: int, group_size: int, sym: bool, scale_dtype: 
     else:
         lo, hi = np.minimum(wg.min(axis=2), 0), np.maximum(wg.max(axis=2), 0)
         candidates = (((hi - lo) * f / np.float32(qmax), lo * f) for f in np.concatenate([[1.0], SHRINK]))
+    t = np.empty_like(wg)
+    whole = bool(mask.all())                 # no short last group: the mask multiplies by 1
+    half = float(1 << (bits - 1))
+
+    def codes(s, zz):                        # clip(round(w / s) + z, 0, qmax), into t
+        np.divide(wg, s[:, :, None], out=t)
+        np.round(t, out=t)
+        np.add(t, zz[:, :, None], out=t)
+        return np.clip(t, 0, qmax, out=t)
+
+    def sq_error(s, zz, centred=False):      # per group: sum(((q - z) s - w)^2 mask), q (or q - z) in t
+        if not centred:
+            np.subtract(t, zz[:, :, None], out=t)
+        np.multiply(t, s[:, :, None], out=t)
+        np.subtract(t, wg, out=t)
+        np.square(t, out=t)
+        if not whole:
+            np.multiply(t, mask, out=t)
+        return t.sum(axis=2)
+
+    def sym_error(s):                        # z = 2^(b-1) everywhere: q - z = clip(round(w / s), -z, qmax - z)
+        np.divide(wg, s[:, :, None], out=t)
+        np.round(t, out=t)
+        np.clip(t, -half, qmax - half, out=t)
+        return sq_error(s, None, centred=True)
+
     best_err = best_s = best_z = None
-    for i, (scale, low) in enumerate(candidates):
+    for scale, low in candidates:
         s = _stored(scale, scale_dtype)
-        zz = mid if sym else np.clip(np.round(-low / s), 0, qmax).astype(np.float32)
-        q = np.clip(np.round(wg / s[:, :, None]) + zz[:, :, None], 0, qmax)
-        err = (((q - zz[:, :, None]) * s[:, :, None] - wg) ** 2 * mask).sum(axis=2)
+        if sym:
+            zz, err = mid, sym_error(s)
+        else:
+            zz = np.clip(np.round(-low / s), 0, qmax).astype(np.float32)
+            codes(s, zz)
+            err = sq_error(s, zz)
         if best_err is None:
             best_err, best_s, best_z = err, s, zz
         else:
@@ -95,20 +125,65 @@ def quantize(w: np.ndarray, bits: int, group_size: int, sym: bool, scale_dtype: 
         # Least-squares refinement: given the codes, the scale that minimises the group's error is
         # sum(w q') / sum(q'^2) (q' = q - z); re-round codes to it, keep whatever is better.
         for _ in range(REFINE_STEPS):
-            q = np.clip(np.round(wg / best_s[:, :, None]) + best_z[:, :, None], 0, qmax) - best_z[:, :, None]
-            num, den = (wg * q * mask).sum(axis=2), (q * q * mask).sum(axis=2)
+            q = codes(best_s, best_z)
+            q -= best_z[:, :, None]
+            q *= mask
+            num, den = (wg * q).sum(axis=2), (q * q).sum(axis=2)
             s = _stored(np.where(den > 0, num / np.maximum(den, 1e-30), best_s), scale_dtype)
-            q = np.clip(np.round(wg / s[:, :, None]) + best_z[:, :, None], 0, qmax)
-            err = (((q - best_z[:, :, None]) * s[:, :, None] - wg) ** 2 * mask).sum(axis=2)
+            if sym:
+                err = sym_error(s)
+            else:
+                codes(s, best_z)
+                err = sq_error(s, best_z)
             better = err < best_err
             best_err = np.where(better, err, best_err)
             best_s = np.where(better, s, best_s)
-    q = np.clip(np.round(wg / best_s[:, :, None]) + best_z[:, :, None], 0, qmax)
+    return codes(best_s, best_z), best_s, best_z
+
+
+BLOCK_ELEMENTS = 1 << 18        # weights of one block of rows the search works on (1 MiB of float32)
+_POOL = None
+
+
+def _pool():
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="qconv-requantize")
+    return _POOL
+
+
+def quantize(w: np.ndarray, bits: int, group_size: int, sym: bool, scale_dtype: str = "F16",
+             dtype: str = "float16", search: bool = True) -> QuantTensor:
+    """float32 [out, in] -> QuantTensor with unsigned codes, true zero points and stored scales. Rows
+    are independent (groups lie along a row), so the search runs on blocks of about BLOCK_ELEMENTS
+    weights, on every core (numpy releases the GIL): the same result as one pass over the whole
+    weight, in bounded memory."""
+    w = np.asarray(w, np.float32)
     out, inp = w.shape
-    codes = q.reshape(out, wg.shape[1] * wg.shape[2])[:, :inp].astype(np.uint8)
+    gs = max(1, inp) if group_size <= 0 else group_size
+    groups = 1 if group_size <= 0 else -(-inp // gs)
+    codes = np.empty((out, inp), np.uint8)
+    scales = np.empty((out, groups), np.float32)
+    zeros = np.empty((out, groups), np.uint8)
+    step = max(1, BLOCK_ELEMENTS // (groups * gs))
+
+    def block(r0: int) -> None:
+        r1 = min(out, r0 + step)
+        wg, mask, _ = _grouped(w[r0:r1], group_size)
+        q, s, z = _search(wg, mask, bits, sym, scale_dtype, search)
+        codes[r0:r1] = q.reshape(r1 - r0, groups * gs)[:, :inp]
+        scales[r0:r1], zeros[r0:r1] = s, z
+
+    starts = range(0, out, step)
+    if len(starts) > 1:
+        list(_pool().map(block, starts))
+    else:
+        for r0 in starts:
+            block(r0)
     spec = QuantSpec("int", bits, -1 if group_size <= 0 else gs, sym, scale_dtype=scale_dtype)
-    return QuantTensor(spec, (out, inp), dtype, codes=codes, scales=best_s.astype(np.float32),
-                       zeros=best_z.astype(np.uint8))
+    return QuantTensor(spec, (out, inp), dtype, codes=codes, scales=scales, zeros=zeros)
 
 
 def error(w: np.ndarray, wq: np.ndarray) -> tuple[float, float, float]:
@@ -118,11 +193,35 @@ def error(w: np.ndarray, wq: np.ndarray) -> tuple[float, float, float]:
     return (np.sqrt(sq) / norm if norm else 0.0), float(np.abs(diff).max(initial=0.0)), sq
 
 
+def error_of(w: np.ndarray, qt: QuantTensor) -> tuple[float, float, float]:
+    """error(w, qt.dequantize()), block of rows by block of rows (about BLOCK_ELEMENTS weights, float64
+    sums), so no whole-layer copy is made."""
+    out, inp = w.shape
+    step = max(1, BLOCK_ELEMENTS // max(1, inp))
+    sq = norm2 = mx = 0.0
+    for r0 in range(0, out, step):
+        r1 = min(out, r0 + step)
+        ref = w[r0:r1].astype(np.float64)
+        diff = qt.dequantize_rows(r0, r1).astype(np.float64)
+        diff -= ref
+        sq += float(np.dot(diff.ravel(), diff.ravel()))
+        norm2 += float(np.dot(ref.ravel(), ref.ravel()))
+        mx = max(mx, float(np.abs(diff).max(initial=0.0)))
+    norm = np.sqrt(norm2)
+    return (float(np.sqrt(sq) / norm) if norm else 0.0), mx, sq
+
+
+def layer_error(w: np.ndarray, qt: QuantTensor, rtn: QuantTensor) -> LayerError:
+    """The error a requantized module adds, next to plain round-to-nearest's (the same tensor where the
+    quantizer has no search)."""
+    rel, mx, sq = error_of(w, qt)
+    rtn_rel, _, rtn_sq = (rel, mx, sq) if rtn is qt else error_of(w, rtn)
+    return LayerError(rel, mx, sq, rtn_rel, rtn_sq)
+
+
 def requantize(w: np.ndarray, bits: int, group_size: int, sym: bool, scale_dtype: str,
                dtype: str) -> tuple[QuantTensor, LayerError]:
     """Searched quantization of w, with its error and, for comparison, plain round-to-nearest's."""
     qt = quantize(w, bits, group_size, sym, scale_dtype, dtype, search=True)
     rtn = quantize(w, bits, group_size, sym, scale_dtype, dtype, search=False)
-    rel, mx, sq = error(w, qt.dequantize())
-    rtn_rel, _, rtn_sq = error(w, rtn.dequantize())
-    return qt, LayerError(rel, mx, sq, rtn_rel, rtn_sq)
+    return qt, layer_error(w, qt, rtn)
