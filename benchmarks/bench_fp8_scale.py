@@ -28,41 +28,22 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from tabulate import tabulate
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_convert  # noqa: E402 - its raw byte copy (RAW) and whole-process runner
+from bench_convert import RAW  # noqa: E402
 DEEPSEEK_V3_FP8_BYTES = 688.6e9      # the published checkpoint's 163 shards (FP8 weights, scales, BF16 rest)
 
-RAW = r"""
-import sys
-from pathlib import Path
-src, ref, out = map(Path, sys.argv[1:4])
-buf = bytearray(16 << 20)
-for f in sorted(src.glob("*.safetensors")):
-    with open(f, "rb", buffering=0) as h:
-        while h.readinto(buf):
-            pass
-for f in sorted(ref.glob("*.safetensors")):
-    left = f.stat().st_size
-    with open(out / f.name, "wb", buffering=0) as h:
-        while left:
-            left -= h.write(memoryview(buf)[:min(left, len(buf))])
-"""
-
-
 def _run(cmd) -> tuple[float, int, float]:
-    """(wall s, peak RSS bytes, CPU s) of one child process."""
-    os.sync()
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    if status != 0:
-        raise SystemExit(f"{cmd[:4]} failed: {proc.stderr.read().decode()[-2000:]}")
-    return wall, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime
+    """(wall s, peak RSS bytes, CPU s) of one child process, as bench_convert runs it."""
+    before = os.times()
+    wall, rss = bench_convert._run(cmd)
+    after = os.times()
+    return wall, rss, (after.children_user - before.children_user) + (after.children_system - before.children_system)
 
 
 def _best(cmd, runs, out: Path):

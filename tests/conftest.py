@@ -82,6 +82,36 @@ def load_tensors(folder: Path) -> dict:
     return out
 
 
+def convert_component(src, dst, target, *args) -> dict:
+    """`qconv convert --json SRC DST --to TARGET ARGS...`, which must succeed; its one component's summary."""
+    import json
+
+    proc = run_qconv("convert", "--json", src, dst, "--to", target, *args)
+    assert proc.returncode == 0, proc.stderr
+    (comp,) = json.loads(proc.stdout)["components"]
+    return comp
+
+
+def tensor_bytes(t):
+    """A torch tensor's bytes, as a flat uint8 tensor (any dtype, float8 included)."""
+    import torch
+
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def assert_same_tensors(ours: Path, theirs: Path, drop=()) -> None:
+    """Every tensor of the two folders, byte for byte (names, dtypes, shapes, bytes), but those of theirs
+    whose leaf name is in drop."""
+    import torch
+
+    a = load_tensors(ours)
+    b = {k: v for k, v in load_tensors(theirs).items() if k.rsplit(".", 1)[-1] not in drop}
+    assert sorted(a) == sorted(b)
+    differ = [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape
+              or not torch.equal(tensor_bytes(a[k]), tensor_bytes(b[k]))]
+    assert not differ, differ[:5]
+
+
 def copy_checkpoint(name, dst: Path) -> Path:
     target = dst / name
     shutil.copytree(CHECKPOINTS / name, target, ignore=shutil.ignore_patterns("oracle"))

@@ -10,31 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CHECKPOINTS, load_tensors, one_error, run_qconv
+from conftest import (CHECKPOINTS, assert_same_tensors as _same_files, convert_component, load_tensors,
+                      one_error, run_qconv, tensor_bytes as _bytes)
 
 TARGET = "compressed-tensors-nvfp4"
 
 
 def _convert(src, dst, *args):
-    proc = run_qconv("convert", "--json", src, dst, "--to", TARGET, *args)
-    assert proc.returncode == 0, proc.stderr
-    (comp,) = json.loads(proc.stdout)["components"]
-    return comp
-
-
-def _bytes(t):
-    return t.contiguous().view(-1).view(torch.uint8)
-
-
-def _same_files(ours, theirs, drop=()):
-    """Every tensor of the two folders, byte for byte (names, dtypes, shapes, bytes), but those whose
-    leaf is in drop on theirs."""
-    a = load_tensors(ours)
-    b = {k: v for k, v in load_tensors(theirs).items() if k.rsplit(".", 1)[-1] not in drop}
-    assert sorted(a) == sorted(b)
-    differ = [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape
-              or not torch.equal(_bytes(a[k]), _bytes(b[k]))]
-    assert not differ, differ[:5]
+    return convert_component(src, dst, TARGET, *args)
 
 
 def _qc(folder, drop_observer=True):
