@@ -98,6 +98,14 @@ def _int_in(name: str, value, lo: int, hi: int | None = None) -> None:
         raise UsageError(f"{_what(name)} {value!r} is not an integer in {bound}")
 
 
+def _jobs(value: int | None) -> int:
+    """--jobs: worker processes that write output shards (convert/parallel.py); None: the machine's cores."""
+    from .convert.parallel import machine_cores
+
+    _int_in("jobs", value, 1)
+    return machine_cores() if value is None else value
+
+
 # --- options: one frozen model per verb, built by the CLI and the API alike --------------------------------
 
 @dataclass(frozen=True)
@@ -137,9 +145,11 @@ class ConvertOptions:
     overwrite: bool = False
     max_shard_size: int | str = DEFAULT_MAX_SHARD
     source: str | None = None              # the only source method accepted (bnb8_to_gptq: "bnb8")
+    jobs: int | None = None                # worker processes for the output shards (None: the machine's cores)
 
     def __post_init__(self):
         _choice("to", self.to, targets())
+        object.__setattr__(self, "jobs", _jobs(self.jobs))
         _int_in("bits", self.bits, 2, 8)
         if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
                                             or (self.group_size != -1 and self.group_size < 1)):
@@ -164,9 +174,11 @@ class DequantizeOptions:
     dtype: str = "auto"                    # auto: the model's own dtype (config.json)
     overwrite: bool = False
     max_shard_size: int | str = DEFAULT_MAX_SHARD
+    jobs: int | None = None                # worker processes for the output shards (None: the machine's cores)
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DEQUANTIZE_DTYPES)
+        object.__setattr__(self, "jobs", _jobs(self.jobs))
         object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
 
 
@@ -294,7 +306,7 @@ def _run_convert(src, dst, opts: ConvertOptions, progress: ProgressCallback | No
 
     with reporting(progress):
         data = run_convert(Path(src), Path(dst), opts.conversion(), overwrite=opts.overwrite,
-                           max_shard_size=opts.max_shard_size, validate=opts.validate)
+                           max_shard_size=opts.max_shard_size, validate=opts.validate, jobs=opts.jobs)
     packed = [c for c in data["components"] if "to" in c]
     return _written(ConvertResult, data, codes_kept=sum(c["codes_kept"] for c in packed),
                     requantized=tuple(r for c in packed for r in c.get("layers", [])),
@@ -305,7 +317,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
             group_size: int | None = None, sym: bool | None = None, scale_dtype: str | None = None,
             blocksize: int | None = None, double_quant: bool | None = None, quant_storage: str | None = None,
             block_size: tuple[int, int] | str | None = None, validate: bool = False, overwrite: bool = False,
-            max_shard_size: int | str = DEFAULT_MAX_SHARD, progress: ProgressCallback | None = None) -> ConvertResult:
+            max_shard_size: int | str = DEFAULT_MAX_SHARD, jobs: int | None = None,
+            progress: ProgressCallback | None = None) -> ConvertResult:
     """Rewrite ``src`` as ``to`` (``targets()``: gptq, gptq-v2, auto-round, compressed-tensors,
     compressed-tensors-w8a8, awq, bnb8, bnb4-nf4, bnb4-fp4, float16, bfloat16, float32) at ``dst``, keeping
     every code where the arithmetic allows and requantizing (error reported in ``result.requantized``)
@@ -313,35 +326,38 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     scale_dtype; blocksize, double_quant and quant_storage apply to the bnb4 targets, block_size ((rows, cols)
     or "128x128") to fp8. validate=True checks
     every layer against ``src`` before ``dst`` is published (``ValidationFailed`` otherwise, nothing
-    written). ``dst`` must not exist or be empty unless overwrite=True. max_shard_size: bytes or "5GB"."""
+    written). ``dst`` must not exist or be empty unless overwrite=True. max_shard_size: bytes or "5GB".
+    jobs: worker processes writing the output shards (None: the machine's cores); the bytes are the same
+    whatever it is."""
     opts = ConvertOptions(to, bits, group_size, sym, scale_dtype, blocksize, double_quant, quant_storage,
-                          block_size=block_size, validate=validate, overwrite=overwrite, max_shard_size=max_shard_size)
+                          block_size=block_size, validate=validate, overwrite=overwrite, max_shard_size=max_shard_size,
+                          jobs=jobs)
     return _run_convert(src, dst, opts, progress)
 
 
 def bnb8_to_gptq(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, scale_dtype: str | None = None,
                  validate: bool = False, overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD,
-                 progress: ProgressCallback | None = None) -> ConvertResult:
+                 jobs: int | None = None, progress: ProgressCallback | None = None) -> ConvertResult:
     """A bitsandbytes LLM.int8 checkpoint as GPTQ 8-bit, one scale per output row, symmetric, every code kept
     (q = CB + 128); scales SCB / 127 stored as float16 unless scale_dtype says otherwise. Any other source
     method is refused (``UnsupportedFormat``)."""
     opts = ConvertOptions("gptq", 8, -1, True, scale_dtype, validate=validate, overwrite=overwrite,
-                          max_shard_size=max_shard_size, source="bnb8")
+                          max_shard_size=max_shard_size, source="bnb8", jobs=jobs)
     return _run_convert(src, dst, opts, progress)
 
 
 def dequantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: str = "auto",
-               overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD,
+               overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD, jobs: int | None = None,
                progress: ProgressCallback | None = None) -> DequantizeResult:
     """Write ``src`` (any format qconv reads) at ``dst`` as a plain float folder that transformers loads:
     sharded safetensors, config.json without quantization_config, every other file copied. dtype: auto (the
     model's own), float16, bfloat16 or float32."""
-    opts = DequantizeOptions(dtype, overwrite, max_shard_size)
+    opts = DequantizeOptions(dtype, overwrite, max_shard_size, jobs)
     from .convert.dequantize import dequantize as run_dequantize
 
     with reporting(progress):
         data = run_dequantize(Path(src), Path(dst), dtype=None if opts.dtype == "auto" else opts.dtype,
-                              overwrite=opts.overwrite, max_shard_size=opts.max_shard_size)
+                              overwrite=opts.overwrite, max_shard_size=opts.max_shard_size, jobs=opts.jobs)
     return _written(DequantizeResult, data,
                     dequantized_modules=sum(c["dequantized_modules"] for c in data["components"]))
 

@@ -104,6 +104,11 @@ def _summary_table(result: dict) -> str:
     return f"{text}\nwrote {result['destination']} in {result['seconds']:.1f} s"
 
 
+_JOBS = click.option("--jobs", type=click.IntRange(min=1), default=None, metavar="N",
+                     help="Worker processes writing the output shards (default: the machine's cores); "
+                          "the output is the same bytes whatever N.")
+
+
 @cli.command("dequantize", epilog=EXIT_CODES_HELP)
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
@@ -112,8 +117,9 @@ def _summary_table(result: dict) -> str:
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty.")
 @click.option("--max-shard-size", default="5GB", show_default=True,
               help="Largest output shard, e.g. 5GB, 500MB.")
+@_JOBS
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def dequantize_cmd(src: Path, dst: Path, dtype: str, overwrite: bool, max_shard_size: str,
+def dequantize_cmd(src: Path, dst: Path, dtype: str, overwrite: bool, max_shard_size: str, jobs: int | None,
                    as_json: bool) -> int:
     """Write SRC (any format qconv reads: bitsandbytes, GPTQ, auto-round, compressed-tensors, AWQ) to
     DST as a standard unquantized folder: sharded safetensors with an index, config.json without
@@ -122,7 +128,7 @@ def dequantize_cmd(src: Path, dst: Path, dtype: str, overwrite: bool, max_shard_
     Output is written to a temporary folder beside DST and renamed at the end; SRC is never written.
     """
     result = api.dequantize(src, dst, dtype=dtype, overwrite=overwrite, max_shard_size=max_shard_size,
-                            progress=_progress())
+                            jobs=jobs, progress=_progress())
     _echo_warnings(result.data)
     click.echo(result.to_json() if as_json else _summary_table(result.data))
     return EXIT_OK
@@ -177,6 +183,7 @@ _SCALE_DTYPE = click.option("--scale-dtype", type=click.Choice(api.SCALE_DTYPES)
 _COMMON = [click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty."),
            click.option("--max-shard-size", default=api.DEFAULT_MAX_SHARD, show_default=True,
                         help="Largest output shard, e.g. 5GB, 500MB."),
+           _JOBS,
            click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON."),
            click.option("--validate", is_flag=True, help="Check every layer of the result against the "
                         "source (qconv validate) before it is moved to DST; a failing result is never "
@@ -213,7 +220,7 @@ def _common(fn):
                    "block, else 128x128 for fp8 and one scale per channel for compressed-tensors-fp8).")
 @_common
 def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, double_quant, quant_storage,
-                block_size, overwrite, max_shard_size, as_json, validate) -> int:
+                block_size, overwrite, max_shard_size, jobs, as_json, validate) -> int:
     """Rewrite SRC in another format at DST, keeping every integer code where the arithmetic allows
     (bnb8 <-> GPTQ 8-bit per-row symmetric or compressed-tensors W8A8 / W8A16 per channel; GPTQ v1 <-> v2
     <-> auto-round <-> compressed-tensors <-> AWQ where the bits, groups and zero points fit). W8A8 also
@@ -226,7 +233,7 @@ def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, dou
     result = api.convert(src, dst, to=to, bits=bits, group_size=group_size, sym=sym, scale_dtype=scale_dtype,
                          blocksize=int(blocksize) if blocksize else None, double_quant=double_quant,
                          quant_storage=quant_storage, block_size=block_size, validate=validate, overwrite=overwrite,
-                         max_shard_size=max_shard_size, progress=_progress())
+                         max_shard_size=max_shard_size, jobs=jobs, progress=_progress())
     return _show_convert(result, as_json)
 
 
@@ -235,13 +242,13 @@ def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, dou
 @click.argument("dst", type=click.Path(path_type=Path))
 @_SCALE_DTYPE
 @_common
-def bnb8_to_gptq_cmd(src, dst, scale_dtype, overwrite, max_shard_size, as_json, validate) -> int:
+def bnb8_to_gptq_cmd(src, dst, scale_dtype, overwrite, max_shard_size, jobs, as_json, validate) -> int:
     """Turn a bitsandbytes LLM.int8 checkpoint into GPTQ 8-bit, one scale per output row, symmetric:
     the layout vLLM's Marlin kernels run. Codes are kept exactly (q = CB + 128); scales are SCB / 127,
     stored as float16 unless --scale-dtype says otherwise (the only rounding, reported).
     """
     result = api.bnb8_to_gptq(src, dst, scale_dtype=scale_dtype, validate=validate, overwrite=overwrite,
-                              max_shard_size=max_shard_size, progress=_progress())
+                              max_shard_size=max_shard_size, jobs=jobs, progress=_progress())
     return _show_convert(result, as_json)
 
 

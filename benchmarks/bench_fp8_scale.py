@@ -14,7 +14,11 @@ measured per-GB costs: the I/O part at this machine's raw-copy rate, the compute
 cores / this machine's cores (qconv's search and decoding run on every core, numpy releasing the GIL).
 
     .venv/bin/python benchmarks/bench_fp8_scale.py [--dense 1] [--moe 0] [--experts 16] [--runs 1]
-                                                   [--cores 64]
+                                                   [--cores 64] [--jobs 1,2] [--max-shard-size 200MB]
+
+Every qconv job runs once per --jobs value (worker processes writing the output shards, convert/parallel.py;
+--max-shard-size makes the several shards they share); peak RSS is that of the largest single process
+(wait4() counts the workers qconv reaped).
 
 Each figure is a whole process: best wall time of --runs, peak RSS from wait4(), sync before each
 run, warm read cache. Prints figures only.
@@ -67,7 +71,10 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--cores", type=int, default=64)
+    ap.add_argument("--jobs", default="1,2", help="comma-separated --jobs values to run each job with")
+    ap.add_argument("--max-shard-size", default="200MB")
     args = ap.parse_args()
+    job_counts = [int(j) for j in args.jobs.split(",")]
     qconv = str(Path(sys.executable).parent / "qconv")
     (HERE / ".cache").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=HERE / ".cache") as tmp:
@@ -80,10 +87,13 @@ def main() -> None:
         jobs = [("dequantize -> bfloat16", src, [qconv, "dequantize"]),
                 ("convert --to compressed-tensors-w8a8", src, [qconv, "convert", "--to", "compressed-tensors-w8a8"]),
                 ("convert bf16 --to compressed-tensors-fp8", bf16, [qconv, "convert", "--to", "compressed-tensors-fp8"])]
+        jobs = [(f"{label} --jobs {n}", source, [*cmd, "--jobs", str(n), "--max-shard-size", args.max_shard_size])
+                for label, source, cmd in jobs for n in job_counts]
         rows, per_gb = [], {}
         for label, source, cmd in jobs:
             out, raw_out = tmp / "out", tmp / "raw"
             wall, rss, cpu = _best([cmd[0], cmd[1], source, out, *cmd[2:]], args.runs, out)
+            label += f" ({len(list(out.glob('*.safetensors')))} shards)"
             moved_in, moved_out = _bytes(source), _bytes(out)
             ref = tmp / "ref"
             shutil.rmtree(ref, ignore_errors=True)
@@ -106,7 +116,7 @@ def main() -> None:
           f"machine with this machine's disk: I/O at the raw-copy rate measured here, the rest (compute) "
           f"divided by {args.cores} / {cores} cores:")
     for label, (io, compute, _) in per_gb.items():
-        if label.startswith("convert bf16"):
+        if label.startswith("convert bf16") or f"--jobs {job_counts[0]} " not in label:
             continue
         total = DEEPSEEK_V3_FP8_BYTES / 1e9 * (io + compute * cores / args.cores)
         print(f"  {label}: {total / 3600:.1f} h ({io:.2f} s/GB I/O + {compute:.1f} s/GB compute here)")

@@ -41,6 +41,7 @@ from ..formats.storage.safetensors_header import DTYPES, FLOAT_DTYPES
 from ..formats.storage.tensor_io import FLOAT_NAMES, encode_float, finite_scales, read_array, to_float32
 from .dequantize import dequantize_component, finite_rows
 from .engine import DEFAULT_MAX_SHARD, OutTensor, passthrough, run, write_component
+from .parallel import Replan
 from .requantize import requantize
 
 # The quantized targets are the format registry's (formats/core/registry.py: caps or fit, plan, leaves,
@@ -68,7 +69,7 @@ class Options:
 
 @dataclass
 class Stats:
-    """What the conversion changed, for the summary: scale rounding is the only loss it allows."""
+    """What writing one module changed, for the summary: scale rounding is the only loss it allows."""
     modules: int = 0
     scales: int = 0
     scales_rounded: int = 0
@@ -89,6 +90,31 @@ class Stats:
         self.scales += exact.size
         self.scales_rounded += int((rel > 0).sum())
         self.max_scale_rel_error = max(self.max_scale_rel_error, float(rel.max(initial=0.0)))
+
+
+@dataclass
+class Tally:
+    """Every written module's Stats, by module. A module whose tensors fall in two shards that two worker
+    processes write (--jobs) is encoded by both: it counts once, so the summary is the same whatever N."""
+    of: dict[str, Stats] = field(default_factory=dict)
+
+    def add(self, module: str, stats: Stats) -> None:
+        self.of[module] = stats
+
+    def merge(self, other: "Tally") -> None:          # a worker's (parallel.write_shards)
+        self.of.update(other.of)
+
+    def summary(self) -> dict:
+        layers = sorted((r for st in self.of.values() for r in st.layers), key=lambda r: natural_key(r["module"]))
+        sq, rtn = sum(r["sq_error"] for r in layers), sum(r["rtn_sq_error"] for r in layers)
+        modules = sum(st.modules for st in self.of.values())
+        return {"modules": modules, "codes_kept": modules - len(layers), "requantized": len(layers),
+                "scales": sum(st.scales for st in self.of.values()),
+                "scales_rounded": sum(st.scales_rounded for st in self.of.values()),
+                "max_scale_rel_error": max((st.max_scale_rel_error for st in self.of.values()), default=0.0),
+                "max_rel_frobenius": max((r["rel_frobenius"] for r in layers), default=0.0),
+                "sq_error_vs_rtn": round(sq / rtn, 4) if rtn else None, "layers": layers,
+                "v1_zero_points": sorted((n for st in self.of.values() for n in st.v1_zero), key=natural_key)}
 
 
 @dataclass(frozen=True)
@@ -391,7 +417,7 @@ def _layer_error(w: np.ndarray, qt: QuantTensor, rtn: QuantTensor):
 
 
 def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, cache: _ModuleCache,
-                   stats: Stats, src_dtype: str, with_g_idx: bool, lossy: str | None):
+                   tally: Tally, src_dtype: str, with_g_idx: bool, lossy: str | None):
     """(settings, outputs) for one module: the write settings its target's plan gives it (Target.plan;
     {} for targets without one), and outputs(settings) -> its output tensors, planned from headers
     (data encoded only when the writer asks). Every module is planned before any is laid out, so that
@@ -403,7 +429,8 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
     tgt = registered_target(opts.to)
     write_g_idx = tgt.g_idx == "always" or with_g_idx
 
-    def encoded(st: Stats, settings: dict):
+    def encoded(settings: dict, into: Tally | None = None):
+        st = Stats()
         source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
         if lossy and tgt.requantize is not None:        # the target's own quantizer (code books)
             w = _exact_weights(comp, m, source)
@@ -423,9 +450,12 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
         if qt.g_idx is not None and not with_g_idx:
             raise _refuse(m, comp, f"act-order g_idx cannot be stored in {opts.to}")  # planned as lossy
         try:
-            return tgt.encode(qt, spec, write_g_idx)
+            leaves = tgt.encode(qt, spec, write_g_idx)
         except ValueError as exc:             # data the header-level plan could not see (zero points)
             raise _refuse(m, comp, f"cannot be stored as {opts.to}: {exc}") from None
+        if into is not None:
+            into.add(m.name, st)
+        return leaves
 
     def weights():
         source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
@@ -434,12 +464,12 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
     settings = {}
     if tgt.plan is not None:                  # settings the header needs first (a nested double-quant offset)
         settings = tgt.plan(ModuleContext(m, spec, lossy, opts, m.details.get("dtype") or src_dtype,
-                                          lambda trial: encoded(Stats(), trial), weights))
+                                          lambda trial: encoded(trial), weights))
 
     def outputs(settings: dict) -> list[OutTensor]:
         def tensor(leaf, dtype, shape):
             return OutTensor(f"{m.name}.{leaf}", dtype, shape,
-                             lambda: [cache.get(m.name, lambda: encoded(stats, settings))[leaf][1]])
+                             lambda: [cache.get(m.name, lambda: encoded(settings, tally))[leaf][1]])
 
         leaves = tgt.module_leaves(spec, (out, inp), write_g_idx, settings)
         return [tensor(leaf, dtype, shape) for leaf, (dtype, shape) in leaves.items()]
@@ -463,14 +493,25 @@ def _quant_config(comp: Component, opts: Options, specs: dict[str, QuantSpec], d
         raise UnsupportedFormat(f"cannot be written as {opts.to}: {exc}", file=comp.path) from None
 
 
-def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: int) -> dict:
+@dataclass
+class _Planned:
+    """A component's conversion planned from headers (and what a target's plan / share hooks read):
+    the output tensors in order, the new config, and the Tally that writing them fills."""
+    det: Detection
+    modules: list[QuantModule]
+    opts: Options                                    # the target that writes them (Target.written_by)
+    tensors: list[OutTensor]
+    outputs: dict[str, OutTensor]
+    config: dict
+    tally: Tally
+
+
+def _plan(comp: Component, opts: Options) -> _Planned:
     det = require_decodable(comp)
     modules = _check_source(comp, det, opts)
-    if opts.to in FLOAT_TARGETS:
-        return dequantize_component(comp, out_dir, opts.to, max_shard)
     claimed = det.claimed_tensors | {t for m in modules for t in m.weight_tensors}
     src_dtype = model_dtype(comp, det)
-    stats, cache = Stats(), _ModuleCache()
+    tally, cache = Tally(), _ModuleCache()
     specs: dict[str, QuantSpec] = {}
     outputs: dict[str, OutTensor] = {}
     src_cfg = gptq_codec.parse_config(det.qc) if det.qc and det.cfg_method in ("gptq", "auto-round") else {}
@@ -498,7 +539,7 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
         with_g_idx = desc_act and act_order and not lossy
         if with_g_idx:
             act_order_kept.append(m.name)
-        settings[m.name], writers[m.name] = _module_writer(comp, det, m, spec, opts, cache, stats, src_dtype,
+        settings[m.name], writers[m.name] = _module_writer(comp, det, m, spec, opts, cache, tally, src_dtype,
                                                            with_g_idx, lossy)
     tgt = registered_target(opts.to)
     if tgt.share is not None:
@@ -512,34 +553,45 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
     for name, info in comp.tensors.items():
         if name not in claimed:
             outputs[name] = passthrough(info)
-    plan = [outputs[k] for k in sorted(outputs, key=natural_key)]
     config = dict(comp.config) if comp.config is not None else {}
     config["quantization_config"] = _quant_config(comp, opts, specs, bool(act_order_kept), settings,
                                                   frozenset(n for n, why in lossy_of.items() if why))
-    written = write_component(comp, out_dir, plan, config, max_shard, f"converting {comp.name}")
+    return _Planned(det, modules, opts, [outputs[k] for k in sorted(outputs, key=natural_key)], outputs, config,
+                    tally)
+
+
+def _replan(comp: Component, opts: Options):
+    """A --jobs worker's plan (parallel.Replan): the same tensors, and the Tally its shards fill."""
+    p = _plan(comp, opts)
+    return p.tensors, p.tally
+
+
+def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: int, jobs: int = 1) -> dict:
+    if opts.to in FLOAT_TARGETS:
+        _check_source(comp, require_decodable(comp), opts)
+        return dequantize_component(comp, out_dir, opts.to, max_shard, jobs)
+    p = _plan(comp, opts)
+    written = write_component(comp, out_dir, p.tensors, p.config, max_shard, f"converting {comp.name}",
+                              jobs=jobs, replan=Replan(_replan, (opts,)), state=p.tally)
+    det, modules, opts = p.det, p.modules, p.opts
     if opts.to in PACKED_TARGETS and registered_target(opts.to).activations:
         from ..formats.storage.checkpoint import open_component
         from .activation_cost import activation_cost
         written["activation_cost"] = activation_cost(comp, det, modules, open_component(out_dir, comp.name))
-    layers = sorted(stats.layers, key=lambda r: natural_key(r["module"]))
-    sq, rtn = sum(r["sq_error"] for r in layers), sum(r["rtn_sq_error"] for r in layers)
-    return {"component": comp.name, "from": det.method, "to": opts.to, "modules": stats.modules,
-            "codes_kept": stats.modules - len(layers), "requantized": len(layers),
-            "scales": stats.scales, "scales_rounded": stats.scales_rounded,
-            "max_scale_rel_error": stats.max_scale_rel_error,
-            "max_rel_frobenius": max((r["rel_frobenius"] for r in layers), default=0.0),
-            "sq_error_vs_rtn": round(sq / rtn, 4) if rtn else None, "layers": layers, **written,
-            "v1_zero_points": sorted(stats.v1_zero, key=natural_key),
-            "warnings": list(det.warnings) + _v1_zero_warning(stats) + _activation_warning(modules, outputs, opts)}
+    summary = p.tally.summary()
+    return {"component": comp.name, "from": det.method, "to": opts.to, **summary, **written,
+            "warnings": list(det.warnings) + _v1_zero_warning(summary["v1_zero_points"])
+            + _activation_warning(modules, p.outputs, opts)}
 
 
 # Static activation quantization stored beside a weight (FP8 static, NVFP4 W4A4, ModelOpt): calibrated on
-# data, so no data-free writer can make it, and none of qconv's targets stores it.
+# data, so no data-free writer can make it; only modelopt-nvfp4 stores one, carried from its source.
 ACTIVATION_LEAVES = ("input_scale", "input_global_scale", "input_zero_point")
 
 
 def _activation_warning(modules: list[QuantModule], outputs: Mapping, opts: Options) -> list[str]:
-    dropped = sorted((t for m in modules for t in m.state_tensors
+    carried = {m.name for m in modules if any(f"{m.name}.{leaf}" in outputs for leaf in ACTIVATION_LEAVES)}
+    dropped = sorted((t for m in modules if m.name not in carried for t in m.state_tensors
                       if t.rsplit(".", 1)[-1] in ACTIVATION_LEAVES and t not in outputs), key=natural_key)
     if not dropped:
         return []
@@ -548,13 +600,12 @@ def _activation_warning(modules: list[QuantModule], outputs: Mapping, opts: Opti
             f"stores none{f'; its activations are {act}' if act else ''}"]
 
 
-def _v1_zero_warning(stats: Stats) -> list[str]:
+def _v1_zero_warning(names: list[str]) -> list[str]:
     """GPTQ v1 stores z - 1, so a zero point of 0 is written as 2^b - 1: readers that add 1 field by field
     (AutoGPTQ, vLLM's exllama path, transformers) get 0 back, GPTQModel's word-wise addition carries
     into the next field and does not. Said per module, with the way out."""
-    if not stats.v1_zero:
+    if not names:
         return []
-    names = sorted(stats.v1_zero, key=natural_key)
     return [f"{len(names)} modules have zero points of 0, which GPTQ v1 (stored z-1) writes as 2^bits-1: "
             f"field-wise readers get 0 back, GPTQModel's word-wise decoding does not; --to gptq-v2 stores them "
             f"exactly ({examples(names)})"]
@@ -662,8 +713,8 @@ def check_results(written, *, samples: int = 32, seed: int = 0) -> list[dict]:
 
 
 def convert(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
-            max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False) -> dict:
+            max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False, jobs: int = 1) -> dict:
     if opts.to not in TARGETS:
         raise ValueError(opts.to)
-    return run(src, dst, lambda comp, out: convert_component(comp, out, opts, max_shard_size),
+    return run(src, dst, lambda comp, out: convert_component(comp, out, opts, max_shard_size, jobs),
                overwrite=overwrite, check=check_results if validate else None)

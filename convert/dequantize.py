@@ -21,8 +21,7 @@ from ..formats.core.registry import family
 from ..formats.storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, all_finite, encode_float
 from ..validation import WINDOW_ELEMENTS   # codes of a module read at once, as validate reads them
 from .engine import DEFAULT_MAX_SHARD, OutTensor, ordered, passthrough, run, write_component
-
-
+from .parallel import Replan
 
 
 def _where(comp: Component, m: QuantModule) -> dict:
@@ -106,17 +105,23 @@ def rewrite_config(config: dict, dtype: str) -> dict:
     return cfg
 
 
-def dequantize_component(comp: Component, out_dir: Path, dtype: str | None, max_shard: int) -> dict:
+def _replan(comp: Component, code: str):
+    """A --jobs worker's plan (parallel.Replan); dequantizing measures nothing."""
+    return plan_component(comp, require_decodable(comp), code), None
+
+
+def dequantize_component(comp: Component, out_dir: Path, dtype: str | None, max_shard: int, jobs: int = 1) -> dict:
     det = require_decodable(comp)
     target = dtype or model_dtype(comp, det)
     plan = plan_component(comp, det, FLOAT_CODES[target])
     config = rewrite_config(dict(comp.config), target) if comp.config is not None else None
-    written = write_component(comp, out_dir, plan, config, max_shard, f"dequantizing {comp.name}")
+    written = write_component(comp, out_dir, plan, config, max_shard, f"dequantizing {comp.name}", jobs=jobs,
+                              replan=Replan(_replan, (FLOAT_CODES[target],)))
     return {"component": comp.name, "method": det.method, "dtype": target,
             "dequantized_modules": len(det.modules), **written, "warnings": list(det.warnings)}
 
 
 def dequantize(src: Path, dst: Path, *, dtype: str | None = None, overwrite: bool = False,
-               max_shard_size: int = DEFAULT_MAX_SHARD) -> dict:
-    return run(src, dst, lambda comp, out: dequantize_component(comp, out, dtype, max_shard_size),
+               max_shard_size: int = DEFAULT_MAX_SHARD, jobs: int = 1) -> dict:
+    return run(src, dst, lambda comp, out: dequantize_component(comp, out, dtype, max_shard_size, jobs),
                overwrite=overwrite)

@@ -27,6 +27,7 @@ from ..formats.storage.safetensors_header import FLOAT_DTYPES, TensorInfo, open_
 from ..formats.storage.safetensors_writer import ShardWriter, index_json, plan_shards
 from ..formats.storage.tensor_io import convert_float, read_array
 from ..progress import report
+from .parallel import Replan, threads, write_shards
 from .staging import staged_output, test_hook
 
 SLAB_BYTES = 4 << 20            # bytes of one slab of rows of a plain tensor
@@ -49,7 +50,7 @@ def ordered(fn, items, depth: int = 4):
     most ``depth`` in flight so memory stays bounded."""
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="qconv")
+        _POOL = ThreadPoolExecutor(max(1, min(4, threads())), thread_name_prefix="qconv")
     pending: deque = deque()
     for item in items:
         pending.append(_POOL.submit(fn, item))
@@ -198,8 +199,24 @@ def _left_out_warning(names: list[str]) -> str:
             f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''}")
 
 
+def write_shard(out_dir: Path, shard, by_name: dict, written: Callable[[int], None]) -> None:
+    """One planned shard, tensor by tensor in plan order; ``written(n)`` after each tensor."""
+    writer = ShardWriter(out_dir, shard)
+    try:
+        for name, _, _ in shard.tensors:
+            written(writer.write_tensor(name, by_name[name].chunks()))
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+
+
 def write_component(comp: Component, out_dir: Path, tensors: list[OutTensor], config: dict | None,
-                    max_shard: int, label: str) -> dict:
+                    max_shard: int, label: str, *, jobs: int = 1, replan: Replan | None = None,
+                    state=None) -> dict:
+    """Write the planned tensors as shards (in worker processes where jobs > 1, there is more than one
+    shard and ``replan`` says how a worker rebuilds this plan: parallel.py), then the index, config.json
+    and the other files of the source folder."""
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         raise AssertionError("duplicate output tensor names")
@@ -208,19 +225,19 @@ def write_component(comp: Component, out_dir: Path, tensors: list[OutTensor], co
     progress = Progress(sum(s.data_bytes for s in shards), label)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = 0
+
+    def advance(n: int) -> None:
+        nonlocal written
+        written += n
+        progress.advance(n)
+        test_hook("tensor-written")
+
     try:
-        for shard in shards:
-            writer = ShardWriter(out_dir, shard)
-            try:
-                for name, _, _ in shard.tensors:
-                    n = writer.write_tensor(name, by_name[name].chunks())
-                    written += n
-                    progress.advance(n)
-                    test_hook("tensor-written")
-            except BaseException:
-                writer.abort()
-                raise
-            writer.close()
+        if replan is not None and min(jobs, len(shards)) > 1:
+            write_shards(comp, out_dir, shards, replan, min(jobs, len(shards)), advance, state)
+        else:
+            for shard in shards:
+                write_shard(out_dir, shard, by_name, advance)
     finally:
         progress.close()
     index = index_json(shards)

@@ -17,13 +17,13 @@ Groups are contiguous along the input dimension (no act-order); a short last gro
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..formats.core.ir import QuantSpec, QuantTensor
 from ..formats.storage.tensor_io import encode_float, to_float32
+from .parallel import threads
 
 SHRINK = np.linspace(0.50, 1.50, 101, dtype=np.float32)
 REFINE_STEPS = 3
@@ -150,7 +150,7 @@ def _pool():
     if _POOL is None:
         from concurrent.futures import ThreadPoolExecutor
 
-        _POOL = ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="qconv-requantize")
+        _POOL = ThreadPoolExecutor(threads(), thread_name_prefix="qconv-requantize")
     return _POOL
 
 
@@ -195,7 +195,8 @@ def error(w: np.ndarray, wq: np.ndarray) -> tuple[float, float, float]:
 
 def error_of(w: np.ndarray, qt: QuantTensor) -> tuple[float, float, float]:
     """error(w, qt.dequantize()), block of rows by block of rows (about BLOCK_ELEMENTS weights, float64
-    sums), so no whole-layer copy is made."""
+    sums), so no whole-layer copy is made. The sums are numpy's own, in a fixed order, so a report is
+    the same whatever the threads (--jobs workers run BLAS on fewer)."""
     out, inp = w.shape
     step = max(1, BLOCK_ELEMENTS // max(1, inp))
     sq = norm2 = mx = 0.0
@@ -204,8 +205,8 @@ def error_of(w: np.ndarray, qt: QuantTensor) -> tuple[float, float, float]:
         ref = w[r0:r1].astype(np.float64)
         diff = qt.dequantize_rows(r0, r1).astype(np.float64)
         diff -= ref
-        sq += float(np.dot(diff.ravel(), diff.ravel()))
-        norm2 += float(np.dot(ref.ravel(), ref.ravel()))
+        sq += float(np.einsum("ij,ij->", diff, diff))      # not BLAS: the same sum whatever its threads
+        norm2 += float(np.einsum("ij,ij->", ref, ref))
         mx = max(mx, float(np.abs(diff).max(initial=0.0)))
     norm = np.sqrt(norm2)
     return (float(np.sqrt(sq) / norm) if norm else 0.0), mx, sq
