@@ -464,7 +464,7 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
     settings = {}
     if tgt.plan is not None:                  # settings the header needs first (a nested double-quant offset)
         settings = tgt.plan(ModuleContext(m, spec, lossy, opts, m.details.get("dtype") or src_dtype,
-                                          lambda trial: encoded(trial), weights))
+                                          lambda trial: encoded(trial), weights, comp.tensors))
 
     def outputs(settings: dict) -> list[OutTensor]:
         def tensor(leaf, dtype, shape):

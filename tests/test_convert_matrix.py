@@ -23,11 +23,13 @@ TARGETS = {"gptq": "GPTQ", "gptq-v2": "GPTQ", "auto-round": "auto-round", "bnb8"
            "bnb4-nf4": "bitsandbytes 4-bit", "bnb4-fp4": "bitsandbytes 4-bit", "float16": "unquantized",
            "compressed-tensors": "compressed-tensors", "compressed-tensors-w8a8": "compressed-tensors",
            "awq": "AWQ", "fp8": "fine-grained FP8", "compressed-tensors-fp8": "compressed-tensors",
-           "compressed-tensors-nvfp4": "compressed-tensors"}
+           "compressed-tensors-nvfp4": "compressed-tensors", "modelopt-nvfp4": "ModelOpt"}
 ASYMMETRIC = ("llama-gptq-w4g64-asym", "llama-awq-w4g128", "llama-ct-w4a16-asym")
 # fused 3-D MoE experts: the integer formats hold one Linear per expert, and qconv does not split them
 REFUSED: set = {(fused, t) for fused in ("qwen3moe-fp8-block-fused", "qwen3moe-mxfp4-gptoss")
                 for t in TARGETS if t not in ("float16", "bfloat16", "float32")}
+# ModelOpt NVFP4 is W4A4: only NVFP4 sources with a calibrated static activation scale can be written
+REFUSED |= {(name, "modelopt-nvfp4") for name in QUANTIZED if name not in ("llama-modelopt-nvfp4", "llama-ct-nvfp4")}
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))

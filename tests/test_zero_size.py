@@ -2,6 +2,8 @@
 weight_shape [256, 0] or [0, 256] converts to every target, validates, reads back and dequantizes to a
 weight of that shape; none exits 70 (a crash) or 4 (qconv refusing what it wrote itself)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -14,16 +16,22 @@ TARGETS = ["gptq", "gptq-v2", "auto-round", "awq", "bnb8", "bnb4-nf4", "bnb4-fp4
            "compressed-tensors-nvfp4", "float16", "bfloat16", "float32"]
 
 
+def _zero_size_source(factory, fixture: str, tensors_of) -> Path:
+    """``fixture`` copied with q_proj's stored tensors replaced by ``tensors_of()``'s (a zero-size module)."""
+    src = copy_checkpoint(fixture, factory.mktemp("zero"))
+    tensors = load_file(src / "model.safetensors")
+    tensors.update({Q + leaf: t for leaf, t in tensors_of().items()})
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    return src
+
+
 @pytest.fixture(scope="module", params=[(256, 0), (0, 256)], ids=["in0", "out0"])
 def zero_size(request, tmp_path_factory):
     out, inp = request.param
-    src = copy_checkpoint("llama-ct-w4a16", tmp_path_factory.mktemp("zero"))
-    tensors = load_file(src / "model.safetensors")
-    tensors[Q + ".weight_packed"] = torch.zeros((out, inp // 8), dtype=torch.int32)
-    tensors[Q + ".weight_scale"] = torch.zeros((out, inp // 128), dtype=torch.float16)
-    tensors[Q + ".weight_shape"] = torch.tensor([out, inp])
-    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
-    return src, (out, inp)
+    return _zero_size_source(tmp_path_factory, "llama-ct-w4a16", lambda: {
+        ".weight_packed": torch.zeros((out, inp // 8), dtype=torch.int32),
+        ".weight_scale": torch.zeros((out, inp // 128), dtype=torch.float16),
+        ".weight_shape": torch.tensor([out, inp])}), (out, inp)
 
 
 @pytest.mark.parametrize("to", TARGETS)
@@ -43,3 +51,25 @@ def test_zero_size_source_validates_and_dequantizes(tmp_path, zero_size):
     run_qconv("validate", src, src, check=0)
     run_qconv("dequantize", src, tmp_path / "float", check=0)
     assert tuple(load_file(tmp_path / "float" / "model.safetensors")[Q + ".weight"].shape) == shape
+
+
+# modelopt-nvfp4 keeps NVFP4 codes only (every other source is refused): its zero-size module is ModelOpt's.
+@pytest.fixture(scope="module", params=[(256, 0), (0, 256)], ids=["in0", "out0"])
+def zero_size_modelopt(request, tmp_path_factory):
+    out, inp = request.param
+    return _zero_size_source(tmp_path_factory, "llama-modelopt-nvfp4", lambda: {
+        ".weight": torch.zeros((out, inp // 2), dtype=torch.uint8),
+        ".weight_scale": torch.zeros((out, inp // 16), dtype=torch.float8_e4m3fn)}), (out, inp)
+
+
+def test_zero_size_modelopt_nvfp4_converts_validates_and_reads_back(tmp_path, zero_size_modelopt):
+    src, shape = zero_size_modelopt
+    out = tmp_path / "out"
+    proc = run_qconv("convert", src, out, "--to", "modelopt-nvfp4", "--validate")
+    assert proc.returncode == 0, proc.stderr
+    run_qconv("inspect", "--strict", out, check=0)
+    run_qconv("dequantize", "--dtype", "float32", out, tmp_path / "float", check=0)
+    weight = load_file(tmp_path / "float" / "model.safetensors")[Q + ".weight"]
+    assert tuple(weight.shape) == shape and weight.dtype == torch.float32
+    stored = load_file(out / "model.safetensors")[Q + ".weight"]
+    assert stored.shape == load_file(src / "model.safetensors")[Q + ".weight"].shape

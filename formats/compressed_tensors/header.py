@@ -68,7 +68,8 @@ import re
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 from ...errors import CorruptCheckpoint, UnsupportedFormat
-from ..core.layout import QuantModule, int_scheme, natural_key
+from ..core.layout import (FUSED_LAYER_NAMES, NVFP4_GROUP, QuantModule, check_nvfp4_shape, fused_group,  # noqa: F401
+                           int_scheme, natural_key)
 from ..storage.safetensors_header import DTYPES, TensorInfo, read_small_tensors
 
 if TYPE_CHECKING:                    # numpy-backed; only read by attribute here
@@ -979,35 +980,15 @@ def float_config(ctx) -> dict:
 # (codec.fit_nvfp4 / plan_nvfp4 / share_nvfp4 / requantize_nvfp4 / retarget_nvfp4 compute the data)
 
 NVFP4_TARGET = "compressed-tensors-nvfp4"
-NVFP4_GROUP = 16
-# Modules whose global scale llm-compressor makes one (observers/helpers.py FUSED_LAYER_NAMES): siblings
-# that vLLM fuses into one GEMM (q/k/v, gate/up, DeepSeek's q_a / kv_a, Mixtral's w1 / w3).
-FUSED_LAYER_NAMES = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"),
-                     ("q_a_proj", "kv_a_proj_with_mqa"), ("w1", "w3"))
-
-
-def fused_group(name: str) -> str:
-    """The key modules sharing one NVFP4 global scale have in common: their parent and their group
-    (the module's own name where it is in none)."""
-    parent, _, leaf = name.rpartition(".")
-    for i, group in enumerate(FUSED_LAYER_NAMES):
-        if leaf in group:
-            return f"{parent}.<fused {i}>"
-    return name
+# fused_group / FUSED_LAYER_NAMES (core/layout.py): the modules sharing one NVFP4 global scale.
 
 
 def nvfp4_leaves(spec: "QuantSpec", shape: tuple[int, int], g_idx: bool = False,
                  **settings) -> dict[str, tuple[str, tuple[int, ...]]]:
     """What codec.encode_nvfp4 stores (stdlib, before any data): e2m1 codes two a byte
     ``weight_packed`` U8 [out, in/2], e4m3 ``weight_scale`` [out, in/16], ``weight_global_scale`` F32 [1]."""
+    check_nvfp4_shape(spec, shape, g_idx, "compressed-tensors", "divisor")
     out, inp = shape
-    if spec.scheme != "e2m1" or spec.group_size != NVFP4_GROUP or spec.global_scale != "divisor":
-        raise ValueError(f"compressed-tensors NVFP4 stores e2m1 codes in groups of {NVFP4_GROUP} under a "
-                         f"global divisor, not {spec.name} in groups of {spec.group_size}")
-    if g_idx:
-        raise ValueError("compressed-tensors NVFP4 stores no g_idx")
-    if inp % NVFP4_GROUP:
-        raise ValueError(f"{inp} input features are not a whole number of NVFP4 groups of {NVFP4_GROUP}")
     return {"weight_packed": ("U8", (out, inp // 2)), "weight_scale": ("F8_E4M3", (out, inp // NVFP4_GROUP)),
             "weight_global_scale": ("F32", (1,))}
 

@@ -132,6 +132,9 @@ class QuantTensor:
     global_scale: np.float32 | None = None   # ... and the per-tensor level (spec.global_scale says how)
     product_dtype: str | None = None         # "bfloat16": the producer rounds each weight to it before the
                                              # model dtype (see above); None: no intermediate rounding
+    input_scale: np.float32 | None = None    # a static per-tensor activation scale a target stores beside
+                                             # the weight (ModelOpt NVFP4's input_scale, a multiplier), set by
+                                             # its retarget; never read by dequantization. None: none stored
 
     def __post_init__(self):
         if self.product_dtype not in PRODUCT_DTYPES:

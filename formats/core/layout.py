@@ -18,6 +18,38 @@ def int_scheme(bits: int) -> str:
     return f"int{bits}"
 
 
+# Siblings that vLLM fuses into one GEMM (q/k/v, gate/up, DeepSeek's q_a / kv_a, Mixtral's w1 / w3), which
+# share one NVFP4 global scale: llm-compressor makes theirs one (observers/helpers.py FUSED_LAYER_NAMES),
+# ModelOpt shares weight_scale_2 and input_scale across them, and vLLM takes one value for the fused layer.
+FUSED_LAYER_NAMES = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"),
+                     ("q_a_proj", "kv_a_proj_with_mqa"), ("w1", "w3"))
+
+
+NVFP4_GROUP = 16          # inputs per e4m3 scale, in every NVFP4 dialect
+
+
+def check_nvfp4_shape(spec, shape: tuple[int, int], g_idx: bool, dialect: str, global_scale: str) -> None:
+    """What every NVFP4 writer's leaves require of a module (ValueError otherwise): e2m1 codes in groups
+    of 16 under a global scale of the dialect's kind ("divisor" or "multiplier"), whole groups, no g_idx."""
+    if spec.scheme != "e2m1" or spec.group_size != NVFP4_GROUP or spec.global_scale != global_scale:
+        raise ValueError(f"{dialect} NVFP4 stores e2m1 codes in groups of {NVFP4_GROUP} under a global "
+                         f"{global_scale}, not {spec.name} in groups of {spec.group_size}")
+    if g_idx:
+        raise ValueError(f"{dialect} NVFP4 stores no g_idx")
+    if shape[1] % NVFP4_GROUP:
+        raise ValueError(f"{shape[1]} input features are not a whole number of NVFP4 groups of {NVFP4_GROUP}")
+
+
+def fused_group(name: str) -> str:
+    """The key modules sharing one NVFP4 global scale have in common: their parent and their group
+    (the module's own name where it is in none)."""
+    parent, _, leaf = name.rpartition(".")
+    for i, group in enumerate(FUSED_LAYER_NAMES):
+        if leaf in group:
+            return f"{parent}.<fused {i}>"
+    return name
+
+
 @dataclass(frozen=True)
 class QuantModule:
     name: str

@@ -219,6 +219,8 @@ class ModuleContext:
                                      # these settings, statistics discarded (for a setting only the data decides)
     weights: Callable | None = None  # () -> the module's exact float32 weights [out, in] (a requantized
                                      # module's statistics: NVFP4's absolute maximum)
+    tensors: Mapping | None = None   # the source component's tensors (name -> TensorInfo), for a plan that
+                                     # reads a module's small state (ModelOpt NVFP4: the per-tensor scales)
 
 
 @dataclass(frozen=True)
@@ -354,6 +356,7 @@ def _register_targets() -> None:
     from ..compressed_tensors import header as compressed_tensors
     from ..fp8 import header as fp8
     from ..gptq import header as gptq
+    from ..modelopt import header as modelopt
 
     int_2_8 = frozenset(range(2, 9))
     for name in ("gptq", "gptq-v2"):
@@ -401,6 +404,17 @@ def _register_targets() -> None:
                            share=_lazy("compressed_tensors.codec", "share_nvfp4"),
                            requantize=_lazy("compressed_tensors.codec", "requantize_nvfp4"),
                            retarget=_lazy("compressed_tensors.codec", "retarget_nvfp4")))
+    # ModelOpt NVFP4 (quant_algo NVFP4, W4A4): codes, e4m3 scales, weight_scale_2 and the calibrated
+    # input_scale kept from NVFP4 sources that carry a static activation scale (ModelOpt's own, or
+    # compressed-tensors W4A4's divisors inverted); every other source is refused in plan, since no data-free
+    # path makes an input_scale. Its own fit, plan, share (one weight_scale_2 / input_scale per fused
+    # q/k/v and gate/up group) and retarget; modelopt/.
+    register_target(Target(modelopt.NVFP4_TARGET, "modelopt",
+                           Caps(frozenset({4}), asym=False, per_row=False, scale_dtypes=frozenset({"F8_E4M3"})),
+                           modelopt.nvfp4_leaves, modelopt.nvfp4_config, "modelopt.codec",
+                           fit=_lazy("modelopt.codec", "fit_nvfp4"), plan=_lazy("modelopt.codec", "plan_nvfp4"),
+                           share=_lazy("modelopt.codec", "share_nvfp4"),
+                           retarget=_lazy("modelopt.codec", "retarget_nvfp4")))
     register_target(Target("awq", "awq", Caps(frozenset({4}), per_row=False, scale_dtypes=frozenset({"F16", "BF16"}),
                                               fallback_bits=4, one_group_size=True),
                            awq.writer_leaves, awq.writer_config, "awq.codec"))

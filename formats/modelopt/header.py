@@ -33,6 +33,9 @@ Other quant_algos (INT4_AWQ, W4A8_AWQ, NVFP4_AWQ, MXFP8, FP8_PB_WO, MIXED_PRECIS
 and refused (UnsupportedFormat naming the algo), never misread as one of the two above. transformers
 has no loader for ``quant_method: modelopt``: it loads FP8 files as the raw e4m3 codes, silently wrong
 (fixtures/checkpoints/README.md); a qconv-dequantized folder is how such a checkpoint runs there.
+
+The target ``modelopt-nvfp4`` writes NVFP4 as above (nvfp4_leaves and nvfp4_config here, the data in
+codec.py), from NVFP4 sources that carry a calibrated static activation scale only.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Mapping
 
-from ..core.layout import QuantModule, common, refuse_problems
+from ..core.layout import NVFP4_GROUP, QuantModule, check_nvfp4_shape, common, natural_key, refuse_problems
 from ..storage.safetensors_header import DTYPES, TensorInfo
 
 METHOD = "modelopt"
@@ -54,7 +57,6 @@ REFUSED = {"FP8_PB_WO": ("e4m3", 8), "FP8_PB_REAL": ("e4m3", 8), "FP8_PC_PT": ("
            "MXFP4": ("e2m1", 4), "W4A8_MXFP4_FP8": ("e2m1", 4),
            "INT4_AWQ": ("int4", 4), "W4A8_AWQ": ("int4", 4), "INT8_SQ": ("int8", 8), "INT8_WO": ("int8", 8)}
 WEIGHT_DTYPES = {"e4m3": "F8_E4M3", "e2m1": "U8"}           # what each decoded scheme stores
-NVFP4_GROUP = 16
 FP8_SCALE_DTYPES = ("F32", "BF16", "F16")
 STATE_LEAVES = ("weight_scale", "weight_scale_2", "input_scale", "k_scale", "v_scale", "pre_quant_scale")
 
@@ -246,3 +248,38 @@ def lint(qc: Mapping, modules: list[QuantModule], all_modules: set[str], comp, w
     if sorted(other["exclude_modules"]) != sorted(cfg["exclude_modules"]):
         warnings.append(f"{SIDE_CONFIG} excludes {other['exclude_modules']!r} but config.json's ignore is "
                         f"{cfg['exclude_modules']!r}; loaders that read config.json follow it")
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry's writer hooks of target modelopt-nvfp4: ModelOpt's NVFP4 (W4A4) as export_hf_checkpoint
+# writes it (codec.fit_nvfp4 / plan_nvfp4 / share_nvfp4 / retarget_nvfp4 decide and compute the data)
+
+NVFP4_TARGET = "modelopt-nvfp4"
+
+
+def nvfp4_leaves(spec, shape: tuple[int, int], g_idx: bool = False,
+                 **settings) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """What codec.encode_nvfp4 stores (stdlib, before any data), as ModelOpt exports it: e2m1 codes two
+    a byte ``weight`` U8 [out, in/2], e4m3 ``weight_scale`` [out, in/16], and two float32 scalars (shape
+    []), ``weight_scale_2`` (the weight's global multiplier) and ``input_scale`` (the static activation
+    scale, a multiplier too)."""
+    check_nvfp4_shape(spec, shape, g_idx, "ModelOpt", "multiplier")
+    out, inp = shape
+    return {"weight": ("U8", (out, inp // 2)), "weight_scale": ("F8_E4M3", (out, inp // NVFP4_GROUP)),
+            "weight_scale_2": ("F32", ()), "input_scale": ("F32", ())}
+
+
+def nvfp4_config(ctx) -> dict:
+    """config.json's quantization_config as ModelOpt 0.47's export_hf_checkpoint writes it for NVFP4
+    (fixtures/checkpoints/llama-modelopt-nvfp4): one config group of 4-bit float weights and input
+    activations in groups of 16 targeting "Linear", ``ignore`` every 2-D weight left unquantized by exact
+    name (embeddings included, as ModelOpt lists them), ``quant_algo`` NVFP4. ModelOpt's ``producer``
+    (its name and version) is not claimed. vLLM reads this flat form (ModelOptQuantConfigBase.from_config),
+    as qconv's reader does; hf_quant_config.json, which only repeats it, is not written."""
+    for name, spec in ctx.specs.items():
+        if spec.scheme != "e2m1":
+            raise ValueError(f"{name}: {NVFP4_TARGET} stores e2m1 codes, not {spec.name}")
+    fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": NVFP4_GROUP}
+    return {"config_groups": {"group_0": {"input_activations": dict(fp4), "weights": dict(fp4),
+                                          "targets": ["Linear"]}},
+            "ignore": sorted(ctx.unquantized, key=natural_key), "quant_algo": "NVFP4", "quant_method": METHOD}
