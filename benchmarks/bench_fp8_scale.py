@@ -5,7 +5,7 @@ DeepSeek-V3's config, real names and shapes of its first decoder layers, random 
   * `qconv convert --to compressed-tensors-w8a8` (int8 per channel, searched, error and activation cost
     reported),
   * `qconv convert --to compressed-tensors-fp8` of the dequantized bfloat16 model (FP8_DYNAMIC: the
-    data-free job llm-compressor's model_free_ptq does; see the note printed below for that peer),
+    data-free job llm-compressor's model_free_ptq does; bench_model_free_ptq.py runs that peer),
 
 each beside a raw byte copy of the same amount of data (plain file reads of the source, plain file
 writes of the output's size), so the ratio says how far each is from the disk. Then it extrapolates the
@@ -120,9 +120,8 @@ def main() -> None:
             continue
         total = DEEPSEEK_V3_FP8_BYTES / 1e9 * (io + compute * cores / args.cores)
         print(f"  {label}: {total / 3600:.1f} h ({io:.2f} s/GB I/O + {compute:.1f} s/GB compute here)")
-    print("\nPeer: llm-compressor's model_free_ptq (FP8_DYNAMIC straight on safetensors files) needs "
-          "llmcompressor in its own venv (`pip install llmcompressor==0.14.0.1` beside torch 2.13.0); "
-          "not installed by bin/setup, so not run here.")
+    print("\nPeer: llm-compressor's model_free_ptq beside the same qconv jobs on a float model of these shapes: "
+          "benchmarks/bench_model_free_ptq.py (its environment: bin/setup llmcompressor).")
 
 
 if __name__ == "__main__":
