@@ -94,16 +94,25 @@ def test_a_worker_failure_is_the_runs_one_line_error(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama-fp8-block"]
 
 
-def _workers_of(pid: int) -> list[int]:
-    """Live processes started by ``pid`` (Linux /proc)."""
+def _state(pid: int) -> str | None:
+    """A process's state letter (R, S, T, Z, ...), None when it is gone (Linux /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _live_workers() -> list[int]:
+    """Every live qconv worker process on the machine (its command line runs parallel.child_main); the
+    suite runs one test at a time, so these are this test's."""
     out = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
+        if entry.name.isdigit() and entry.name != str(os.getpid()):
             try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if int(fields[1]) == pid and fields[0] != "Z":
+            if b"parallel import child_main" in cmdline and _state(int(entry.name)) not in (None, "Z"):
                 out.append(int(entry.name))
     return out
 
@@ -120,34 +129,29 @@ def test_interrupted_run_stops_its_workers(tmp_path, sig):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130 and err.strip() == "qconv: interrupted", err
     assert not out.exists() and list(tmp_path.iterdir()) == []
-    assert _workers_of(proc.pid) == []
+    assert _live_workers() == []
 
 
 def test_workers_die_with_a_killed_qconv(tmp_path):
-    """SIGKILL cannot be caught: the workers die with qconv (PR_SET_PDEATHSIG) instead of writing on into
-    its staging folder, which the next run to the same DST removes."""
+    """SIGKILL cannot be caught: the workers die with qconv (PR_SET_PDEATHSIG; without it, at their next
+    message into the closed pipe, after the tensor they are writing) instead of writing on into its
+    staging folder, which the next run to the same DST removes."""
     out = tmp_path / "out"
     proc = subprocess.Popen([QCONV, "convert", CHECKPOINTS / "qwen3moe-fp8-block", out, "--to",
                              "compressed-tensors", "--max-shard-size", "100KB", "--jobs", "2"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=child_env(QCONV_TEST_SIGNAL="tensor-written:SIGSTOP"), preexec_fn=child_signals())
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:                 # stopped at the first tensor a worker wrote
-        state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        if state == "T":
-            break
+    while _state(proc.pid) != "T" and time.monotonic() < deadline:   # stopped at a worker's first tensor
         time.sleep(0.05)
-    workers = _workers_of(proc.pid)
+    workers = _live_workers()
     assert workers, "no worker process was running"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
     deadline = time.monotonic() + 30
-    while any(Path(f"/proc/{w}").exists() and "Z" not in Path(f"/proc/{w}/stat").read_text().rsplit(")", 1)[1][:3]
-              for w in workers) and time.monotonic() < deadline:
+    while _live_workers() and time.monotonic() < deadline:
         time.sleep(0.05)
-    alive = [w for w in workers if Path(f"/proc/{w}").exists()
-             and Path(f"/proc/{w}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
-    assert alive == []
+    assert _live_workers() == []
     assert not out.exists()
     run_qconv("convert", CHECKPOINTS / "llama-bnb8", out, "--to", "gptq", check=0)   # the stale folder goes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
