@@ -102,17 +102,18 @@ def _state(pid: int) -> str | None:
         return None
 
 
-def _live_workers() -> list[int]:
-    """Every live qconv worker process on the machine (its command line runs parallel.child_main); the
-    suite runs one test at a time, so these are this test's."""
+def _live_workers(mark: str) -> list[int]:
+    """The live qconv worker processes (their command line runs parallel.child_main) of the run started
+    with JOBS_TEST_MARK=mark in its environment, which workers inherit: not another run's on the machine."""
     out = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and entry.name != str(os.getpid()):
+        if entry.name.isdigit():
             try:
-                cmdline = (entry / "cmdline").read_bytes()
+                cmdline, environ = (entry / "cmdline").read_bytes(), (entry / "environ").read_bytes()
             except OSError:
                 continue
-            if b"parallel import child_main" in cmdline and _state(int(entry.name)) not in (None, "Z"):
+            if b"parallel import child_main" in cmdline and f"JOBS_TEST_MARK={mark}".encode() in environ.split(b"\0") \
+                    and _state(int(entry.name)) not in (None, "Z"):
                 out.append(int(entry.name))
     return out
 
@@ -125,11 +126,12 @@ def test_interrupted_run_stops_its_workers(tmp_path, sig):
     proc = subprocess.Popen([QCONV, "convert", CHECKPOINTS / "qwen3moe-fp8-block", out, "--to",
                              "compressed-tensors", "--max-shard-size", "100KB", "--jobs", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=child_env(QCONV_TEST_SIGNAL=f"tensor-written:{sig}"), preexec_fn=child_signals())
+                            env=child_env(QCONV_TEST_SIGNAL=f"tensor-written:{sig}", JOBS_TEST_MARK=str(tmp_path)),
+                            preexec_fn=child_signals())
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130 and err.strip() == "qconv: interrupted", err
     assert not out.exists() and list(tmp_path.iterdir()) == []
-    assert _live_workers() == []
+    assert _live_workers(str(tmp_path)) == []
 
 
 def test_workers_die_with_a_killed_qconv(tmp_path):
@@ -140,18 +142,19 @@ def test_workers_die_with_a_killed_qconv(tmp_path):
     proc = subprocess.Popen([QCONV, "convert", CHECKPOINTS / "qwen3moe-fp8-block", out, "--to",
                              "compressed-tensors", "--max-shard-size", "100KB", "--jobs", "2"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=child_env(QCONV_TEST_SIGNAL="tensor-written:SIGSTOP"), preexec_fn=child_signals())
+                            env=child_env(QCONV_TEST_SIGNAL="tensor-written:SIGSTOP", JOBS_TEST_MARK=str(tmp_path)),
+                            preexec_fn=child_signals())
     deadline = time.monotonic() + 120
     while _state(proc.pid) != "T" and time.monotonic() < deadline:   # stopped at a worker's first tensor
         time.sleep(0.05)
-    workers = _live_workers()
+    workers = _live_workers(str(tmp_path))
     assert workers, "no worker process was running"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
     deadline = time.monotonic() + 30
-    while _live_workers() and time.monotonic() < deadline:
+    while _live_workers(str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _live_workers() == []
+    assert _live_workers(str(tmp_path)) == []
     assert not out.exists()
     run_qconv("convert", CHECKPOINTS / "llama-bnb8", out, "--to", "gptq", check=0)   # the stale folder goes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
