@@ -500,10 +500,14 @@ class _Planned:
     det: Detection
     modules: list[QuantModule]
     opts: Options                                    # the target that writes them (Target.written_by)
-    tensors: list[OutTensor]
     outputs: dict[str, OutTensor]
     config: dict
     tally: Tally
+
+    @property
+    def tensors(self) -> list[OutTensor]:
+        """The output tensors in the order they are written."""
+        return [self.outputs[k] for k in sorted(self.outputs, key=natural_key)]
 
 
 def _plan(comp: Component, opts: Options) -> _Planned:
@@ -556,8 +560,7 @@ def _plan(comp: Component, opts: Options) -> _Planned:
     config = dict(comp.config) if comp.config is not None else {}
     config["quantization_config"] = _quant_config(comp, opts, specs, bool(act_order_kept), settings,
                                                   frozenset(n for n, why in lossy_of.items() if why))
-    return _Planned(det, modules, opts, [outputs[k] for k in sorted(outputs, key=natural_key)], outputs, config,
-                    tally)
+    return _Planned(det, modules, opts, outputs, config, tally)
 
 
 def _replan(comp: Component, opts: Options):

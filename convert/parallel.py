@@ -142,14 +142,15 @@ def write_shards(comp, out_dir: Path, shards: list, replan: Replan, jobs: int, o
     worker has written; ``state.merge`` takes each worker's measurements. The first failure stops every
     worker and is raised here, as the worker raised it."""
     groups = assign([s.data_bytes for s in shards], jobs)
-    env = _child_env(max(1, machine_cores() // len(groups)))
+    threads_each = max(1, machine_cores() // len(groups))
+    env = _child_env(threads_each)
     messages: queue.Queue = queue.Queue()
     workers: list[_Worker] = []
     written, finished, failure = 0, set(), None
     try:
         for i, group in enumerate(groups):
             task = {"comp": comp, "out_dir": str(out_dir), "shards": [shards[k] for k in group],
-                    "replan": replan, "threads": max(1, machine_cores() // len(groups))}
+                    "replan": replan, "threads": threads_each}
             workers.append(_Worker(i, group, task, env, messages))
         while len(finished) < len(workers) and failure is None:
             try:
