@@ -157,6 +157,12 @@ def _convert_table(result: dict) -> str:
             v = c["validation"]
             lines.append(f"validated {c['component']}: {v['layers']} layers match the source ({v['device']})")
     for c in result["components"]:
+        split = c.get("experts_split")
+        if split:
+            lines.append(f"  {c['component']}: {split['fused_tensors']} fused expert tensors "
+                         f"({', '.join(split['examples'])}, ...) written as {split['modules']} per-expert Linears "
+                         f"(experts.N.gate_proj / up_proj / down_proj), the layout {c['to']} loaders read")
+    for c in result["components"]:
         for r in c.get("layers", []):
             lines.append(f"  {c['component']}: {r['module']}: {r['reason']}: rel. error {r['rel_frobenius']:.4f}"
                          f" (round-to-nearest {r['rtn_rel_frobenius']:.4f}), max abs {r['max_abs']:.3g}")

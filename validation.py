@@ -65,11 +65,12 @@ from .progress import report as report_progress
 from .validate_tensors import compare_plain_tensors, plain_tensors
 from .formats.storage.checkpoint import Component, open_target
 from .formats.core.detect import Detection
+from .formats.core.experts import is_fused_name, split_module, split_names, why_not_split
 from .formats.core.ir import QuantTensor
 from .formats.core.layout import QuantModule, natural_key
 from .formats.core.reader import model_dtype, read_module, require_decodable
 from .formats.core.registry import family
-from .formats.storage.safetensors_header import FLOAT_DTYPES, TensorInfo
+from .formats.storage.safetensors_header import DTYPES, FLOAT_DTYPES, TensorInfo
 from .formats.storage.tensor_io import read_array, to_float32
 
 ULP = {"F16": 2.0**-11, "BF16": 2.0**-8, "F32": 2.0**-24, "F64": 2.0**-53}
@@ -138,6 +139,31 @@ class Side:
                 # fused experts [E, R, in], as a quantized fused module reads them: E * R rows of in
                 flat = replace(info, shape=(info.shape[0] * info.shape[1], info.shape[2]))
                 self.entries.setdefault(name, Entry(name, None, flat))
+
+    def split_experts_like(self, other: "Side") -> None:
+        """Fused experts compared with the other side's one Linear per expert (convert's split,
+        formats/core/experts.py): each fused entry whose split names the other side holds, and whose
+        own name it does not, becomes its per-expert views."""
+        if why_not_split(self.comp.config) is not None:
+            return
+        for name, e in list(self.entries.items()):
+            if name in other.entries or not is_fused_name(name):
+                continue
+            if e.module is not None and e.module.experts:
+                if why_not_split(self.comp.config, e.module) is not None:
+                    continue
+                views = [Entry(v.name, v, None) for v in split_module(e.module)]
+            elif e.module is None:
+                experts, rows, inp = self.comp.tensors[name].shape
+                size = DTYPES[e.info.dtype][0] // 8
+                views = [Entry(v, None, replace(e.info, shape=(n, inp), offset=e.info.offset + r0 * inp * size,
+                                                nbytes=n * inp * size))
+                         for v, r0, n in split_names(name, experts, rows)]
+            else:
+                continue
+            if all(v.name in other.entries for v in views):
+                del self.entries[name]
+                self.entries.update((v.name, v) for v in views)
 
     def shape(self, name: str) -> tuple[int, int]:
         e = self.entries[name]
@@ -757,6 +783,8 @@ def validate_components(ca: Component, cb: Component, *, samples: int = 32, seed
     shards' reports together are exactly the unsharded one. The tensors that are not Linear weights are
     compared when modules is None, or by the shard marked shard_first."""
     a, b = Side(ca), Side(cb)
+    a.split_experts_like(b)
+    b.split_experts_like(a)
     dev = _compute_device(device)
     common = sorted(set(a.entries) & set(b.entries), key=natural_key)
     same_shape = [n for n in common if a.shape(n) == b.shape(n)]

@@ -36,6 +36,7 @@ from ..formats.bnb.codec import STORAGE_CODES, scb_from_scales as _scb_from_scal
 from ..formats.core.ir import QuantSpec, QuantTensor
 from ..formats.core.minifloat import BOOKS
 from ..formats.core.layout import QuantModule, examples, natural_key
+from ..formats.core.experts import is_fused_name, split_module, why_not_split
 from ..formats.core.reader import model_dtype, read_module, require_decodable
 from ..formats.storage.safetensors_header import DTYPES, FLOAT_DTYPES
 from ..formats.storage.tensor_io import FLOAT_NAMES, encode_float, finite_scales, read_array, to_float32
@@ -144,7 +145,7 @@ _ROUTERS = ("gate", "router", "shared_expert_gate")
 _VISION = re.compile(r"(^|\.)(visual|vision[a-z_]*)(\.|$)")
 
 
-def _data_free_modules(comp: Component) -> list[QuantModule]:
+def _data_free_modules(comp: Component, opts: Options) -> list[QuantModule]:
     """The Linears of an unquantized component that quantizers quantize: 2-D float16/bfloat16/float32
     `.weight` tensors inside the numbered decoder stacks (model.layers.N...), as auto-round does by
     default. Embeddings, lm_head and norms sit outside the stacks or are not 2-D; vision towers
@@ -160,12 +161,24 @@ def _data_free_modules(comp: Component) -> list[QuantModule]:
             out, inp = info.shape
             modules.append(QuantModule(name, "float", FLOAT_NAMES[info.dtype], DTYPES[info.dtype][0], out, inp,
                                        (info.name,), (), details={"dtype": FLOAT_NAMES[info.dtype]}))
+    for name, info in comp.tensors.items():      # fused experts [E, R, in]: one Linear per expert
+        if len(info.shape) == 3 and info.dtype in FLOAT_NAMES and is_fused_name(name) and block_prefix(name) \
+                and not _VISION.search(name) and min(info.shape) > 0:
+            experts, rows, inp = info.shape
+            fused = QuantModule(name, "float", FLOAT_NAMES[info.dtype], DTYPES[info.dtype][0], experts * rows,
+                                inp, (info.name,), (), details={"dtype": FLOAT_NAMES[info.dtype]}, experts=experts)
+            modules.extend(_split_experts(comp, fused, opts))
     return sorted(modules, key=lambda m: natural_key(m.name))
 
 
 def _read_float(comp: Component, m: QuantModule) -> FloatWeight:
     info = comp.tensors[m.weight_tensors[0]]
-    values = to_float32(read_array(info), info.dtype)
+    view = m.details.get("rows_of")             # a split expert: its rows of the fused [E * R, in]
+    if view is None:
+        values = to_float32(read_array(info), info.dtype)
+    else:
+        stacked = replace(info, shape=(info.shape[0] * info.shape[1], info.shape[2]))
+        values = to_float32(read_array(stacked, rows=(view[1], view[1] + m.out_features)), info.dtype)
     if not np.all(np.isfinite(values)):
         raise CorruptCheckpoint("holds non-finite weights (NaN or infinity); they cannot be quantized",
                                 file=info.file, tensor=info.name)
@@ -582,6 +595,10 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
         from .activation_cost import activation_cost
         written["activation_cost"] = activation_cost(comp, det, modules, open_component(out_dir, comp.name))
     summary = p.tally.summary()
+    views = [m for m in modules if "rows_of" in m.details]
+    if views:           # fused experts written as one Linear per expert (_split_experts)
+        fused = sorted({m.details["rows_of"][0].name for m in views}, key=natural_key)
+        summary["experts_split"] = {"fused_tensors": len(fused), "modules": len(views), "examples": fused[:2]}
     return {"component": comp.name, "from": det.method, "to": opts.to, **summary, **written,
             "warnings": list(det.warnings) + _v1_zero_warning(summary["v1_zero_points"])
             + _activation_warning(modules, p.outputs, opts)}
@@ -623,21 +640,35 @@ def _check_source(comp: Component, det: Detection, opts: Options) -> list[QuantM
         raise UnsupportedFormat(f"is {det.method}, not {METHOD_NAMES[opts.source]}; this verb converts "
                                 f"only {METHOD_NAMES[opts.source]} checkpoints (use `qconv convert --to "
                                 f"{opts.to}` for other sources)", file=where)
-    fused = [m for m in det.modules if m.experts]
-    if fused and opts.to in PACKED_TARGETS and not registered_target(opts.to).caps.fused_experts:
-        m = fused[0]
-        raise UnsupportedFormat(f"holds fused MoE experts ({m.experts} experts in one [{m.experts}, "
-                                f"{m.out_features // m.experts}, {m.in_features}] tensor); {opts.to} stores one "
-                                f"Linear per expert and qconv does not split fused experts: `qconv dequantize` "
-                                f"keeps the fused layout", file=comp.tensors[m.weight_tensors[0]].file,
-                                tensor=m.name)
     if det.modules or opts.to in FLOAT_TARGETS:
-        return list(det.modules)
-    modules = _data_free_modules(comp)
+        if opts.to in FLOAT_TARGETS or registered_target(opts.to).caps.fused_experts:
+            return list(det.modules)
+        return [v for m in det.modules for v in (_split_experts(comp, m, opts) if m.experts else [m])]
+    modules = _data_free_modules(comp, opts)
     if not modules:
         raise UnsupportedFormat(f"has no quantized modules ({det.method}) and no float Linear weight in a "
                                 f"numbered decoder stack (model.layers.N...) to quantize", file=where)
     return modules
+
+
+def _split_experts(comp: Component, m: QuantModule, opts: Options) -> list[QuantModule]:
+    """A fused experts module as one module per expert (formats/core/experts.py), the layout the target's
+    loaders read; refused where the model type's fused layout is not the one qconv splits."""
+    why = why_not_split(comp.config, m)
+    step = 1 if m.family == "float" else registered_family(m.family).row_step(m)
+    rows = m.out_features // m.experts
+    if why is None and rows % (2 * step if m.name.endswith("gate_up_proj") else step):
+        why = f"its {rows} rows per expert do not split on its format's {step}-row windows"
+    if why is not None:
+        raise UnsupportedFormat(f"holds fused MoE experts ({m.experts} experts in one [{m.experts}, {rows}, "
+                                f"{m.in_features}] tensor); {opts.to} stores one Linear per expert, and {why}; "
+                                f"`qconv dequantize` keeps the fused layout", file=comp.tensors[m.weight_tensors[0]].file,
+                                tensor=m.name)
+    try:
+        return split_module(m)
+    except ValueError as exc:
+        raise UnsupportedFormat(f"fused MoE experts cannot be split: {exc}",
+                                file=comp.tensors[m.weight_tensors[0]].file, tensor=m.name) from None
 
 
 def _source_spec(comp, det: Detection, m: QuantModule, src_dtype: str) -> QuantSpec:

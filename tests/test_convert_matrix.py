@@ -25,9 +25,28 @@ TARGETS = {"gptq": "GPTQ", "gptq-v2": "GPTQ", "auto-round": "auto-round", "bnb8"
            "awq": "AWQ", "fp8": "fine-grained FP8", "compressed-tensors-fp8": "compressed-tensors",
            "compressed-tensors-nvfp4": "compressed-tensors", "modelopt-nvfp4": "ModelOpt"}
 ASYMMETRIC = ("llama-gptq-w4g64-asym", "llama-awq-w4g128", "llama-ct-w4a16-asym")
-# fused 3-D MoE experts: the integer formats hold one Linear per expert, and qconv does not split them
-REFUSED: set = {(fused, t) for fused in ("qwen3moe-fp8-block-fused", "qwen3moe-mxfp4-gptoss")
-                for t in TARGETS if t not in ("float16", "bfloat16", "float32")}
+# gpt-oss' fused 3-D MoE experts (gate and up rows interleaved): the quantized formats hold one Linear per
+# expert, and gpt-oss has no per-expert layout a loader reads
+REFUSED: set = {("qwen3moe-mxfp4-gptoss", t) for t in TARGETS if t not in ("float16", "bfloat16", "float32")}
+# transformers 5's fused experts (save_original_format=False) are split into the per-expert Linears its
+# default save writes: experts.N.gate_proj / up_proj are the first / second half of gate_up_proj[N]'s rows
+# (transformers' conversion_mapping: MergeModulelist(dim=0) + Concatenate(dim=1)), down_proj is down_proj[N]
+SPLIT = ("qwen3moe-fp8-block-fused",)
+
+
+def _split_oracle(oracle: dict) -> dict:
+    out = {}
+    for key, w in oracle.items():
+        prefix, leaf = key.rsplit(".", 1)
+        if leaf == "gate_up_proj":
+            half = w.shape[1] // 2
+            for e in range(w.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = w[e, :half], w[e, half:]
+        elif leaf == "down_proj":
+            out.update((f"{prefix}.{e}.down_proj.weight", w[e]) for e in range(w.shape[0]))
+        else:
+            out[key] = w
+    return out
 # ModelOpt NVFP4 is W4A4: only NVFP4 sources with a calibrated static activation scale can be written
 REFUSED |= {(name, "modelopt-nvfp4") for name in QUANTIZED if name not in ("llama-modelopt-nvfp4", "llama-ct-nvfp4")}
 
@@ -54,12 +73,15 @@ def test_every_checkpoint_to_every_target(tmp_path, name, target):
     modules = sorted(m for ms in source["quantized_modules"].values() for m in ms)
     if target == "float16":
         return
+    oracle = load_file(CHECKPOINTS / name / "oracle" / "dequant.safetensors")
+    if name in SPLIT:
+        oracle = _split_oracle(oracle)
+        modules = sorted(k.removesuffix(".weight") for k in oracle)
     assert sorted(m for ms in report["quantized_modules"].values() for m in ms) == modules
     if target == "gptq-v2":
         assert report["checkpoint_format"] == "gptq_v2"
     comp = open_target(out).components[0]
     det = detect(comp)
-    oracle = load_file(CHECKPOINTS / name / "oracle" / "dequant.safetensors")
     (summary,) = result["components"]
     layer_error = {r["module"]: r["rel_frobenius"] for r in summary["layers"]}
     config = json.loads((CHECKPOINTS / name / "config.json").read_text())

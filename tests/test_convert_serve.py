@@ -106,6 +106,7 @@ def test_w8a8_config_is_llm_compressors(tmp_path):
     ("llama-fp8-block", "compressed-tensors-w8a8", 0.03),        # FP8 -> what Ampere / CPUs run (issue 17)
     ("llama-fp8-block", "compressed-tensors", 0.01),
     ("qwen3moe-fp8-block", "compressed-tensors", 0.01),
+    ("qwen3moe-fp8-block-fused", "compressed-tensors", 0.01),   # fused experts, split (test_expert_split.py)
 ])
 def test_compressed_tensors_outputs_load_in_transformers(tmp_path, src, to, tol):
     """transformers (compressed-tensors installed) loads the output as compressed-tensors, and its

@@ -167,13 +167,6 @@ def test_integer_options_are_usage_errors(tmp_path, args, needle):
     assert not (tmp_path / "out").exists()
 
 
-def test_fused_experts_are_refused(tmp_path):
-    """Fused 3-D e4m3 experts: compressed-tensors stores one Linear per expert and qconv does not split them."""
-    proc = run_qconv("convert", CHECKPOINTS / "qwen3moe-fp8-block-fused", tmp_path / "out", "--to", TARGET)
-    one_error(proc, 5, "fused MoE experts", TARGET)           # UnsupportedFormat
-    assert not (tmp_path / "out").exists()
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block", [None, (128, 128), (64, 32)])
 def test_quantizer_is_compressed_tensors_own_on_partial_blocks(dtype, block):

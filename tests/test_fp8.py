@@ -113,14 +113,6 @@ def test_validate_sees_a_changed_expert(tmp_path):
     assert failed == [MOE + ".down_proj"]
 
 
-def test_fused_experts_into_an_integer_format_are_refused(tmp_path):
-    """Integer formats hold one Linear per expert; qconv does not split fused experts (yet): exit 5, one
-    line naming the tensor, nothing written."""
-    proc = run_qconv("convert", CHECKPOINTS / "qwen3moe-fp8-block-fused", tmp_path / "out", "--to", "gptq", check=5)
-    assert proc.stderr.count("\n") == 1 and "fused MoE experts" in proc.stderr and MOE in proc.stderr
-    assert not (tmp_path / "out").exists()
-
-
 def test_e4m3_code_book_is_torchs():
     """The e4m3 table decodes every byte as torch.float8_e4m3fn does (0x7F / 0xFF: NaN)."""
     from qconv.formats.core.minifloat import E4M3

@@ -147,6 +147,9 @@ def test_refusals_name_file_and_tensor_and_write_nothing(tmp_path, edit, code, t
 
 
 def test_fused_experts_into_an_integer_format_are_refused(tmp_path):
+    """gpt-oss interleaves gate and up rows and no loader reads its experts one by one, so they are not
+    split into per-expert Linears (test_expert_split.py): exit 5, one line naming the tensor."""
     proc = run_qconv("convert", SRC, tmp_path / "out", "--to", "gptq", check=5)
     assert proc.stderr.count("\n") == 1 and "fused MoE experts" in proc.stderr and MOE in proc.stderr
+    assert "interleaved" in proc.stderr and "model.safetensors" in proc.stderr
     assert not (tmp_path / "out").exists()

@@ -108,6 +108,11 @@ PAIRS = [
     # layer"; docs/consumers.md), and runs qconv's int8 W8A8 and W4A16 of it
     Pair("ct-w8a8-from-fp8", qconv("llama-fp8-block", "convert", "--to", "compressed-tensors-w8a8"), needs="compressed-tensors-w8a8"),
     Pair("ct-w4a16-from-fp8", qconv("llama-fp8-block", "convert", "--to", "compressed-tensors", "--bits", "4", "--group-size", "128"), needs="compressed-tensors"),
+    # an FP8 MoE with fused experts, split into per-expert int8 Linears (test_expert_split.py): vLLM's CPU
+    # build has no int8 MoE kernel (nor a 4-bit one: "No WNA16 MoE backend"), for any producer's file
+    Pair("ct-w8a8-moe-from-fused-fp8", qconv("qwen3moe-fp8-block-fused", "convert", "--to", "compressed-tensors-w8a8"),
+         expect="refused", refusal="No Int8 MoE backend supports", needs="compressed-tensors-w8a8",
+         note="vLLM CPU 0.32 runs no quantized MoE experts; transformers runs the W4A16 one (test_convert_serve.py)"),
     # NVFP4A16 (llm-compressor's bytes): vLLM's CPU build has no FP4 kernel and says so
     Pair("ct-nvfp4-from-fp16", qconv("llama-fp16", "convert", "--to", "compressed-tensors-nvfp4"), expect="refused",
          refusal="Marlin FP4 not available", needs="compressed-tensors-nvfp4",

@@ -112,5 +112,11 @@ def model_dtype(comp: Component, det: Detection) -> str:
 
 def read_module(comp: Component, det: Detection, m: QuantModule, dtype: str,
                 rows: tuple[int, int] | None = None) -> QuantTensor:
-    """The module (or its output rows r0:r1, see Family.read) as a QuantTensor."""
+    """The module (or its output rows r0:r1, see Family.read) as a QuantTensor; a split expert
+    (experts.split_module) as its rows of the fused module it is a view of."""
+    view = m.details.get("rows_of")
+    if view is not None:
+        parent, first = view
+        r0, r1 = rows or (0, m.out_features)
+        return family(parent.family).read(parent, comp.tensors, det.qc, dtype, (first + r0, first + r1))
     return family(m.family).read(m, comp.tensors, det.qc, dtype, rows)

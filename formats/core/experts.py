@@ -1,0 +1,77 @@
+"""Fused MoE experts split into one Linear per expert: the layout every integer format stores and
+every loader of them reads (vLLM, transformers' conversion mapping back to its fused modules).
+
+transformers 5 saves MoE experts fused with `save_original_format=False`: `<prefix>.experts.gate_up_proj`
+[E, 2I, H] (each expert's gate rows, then its up rows: MergeModulelist(dim=0) + Concatenate(dim=1) of
+`experts.N.gate_proj` and `experts.N.up_proj`) and `<prefix>.experts.down_proj` [E, H, I] (`experts.N
+.down_proj`). That is transformers' "qwen2_moe" conversion (conversion_mapping.py), which the model types
+below share. A split expert is a view: a module whose rows are rows r0:r0+out of its fused parent, read
+through the parent (reader.read_module), so its codes and scales are the parent's, row for row.
+
+Not split (refused by the writers that need it, with the reason): other model types, whose fused layout
+differs (gpt-oss interleaves gate and up rows and has no per-expert layout any loader reads; Qwen3-VL-MoE
+stores [E, H, 2I], transposed; Mixtral's per-expert names also rename the block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Mapping
+
+from .layout import QuantModule
+
+# model types whose fused experts are transformers' qwen2_moe conversion (conversion_mapping.py's
+# _MODEL_TO_CONVERSION_PATTERN entries mapped to "qwen2_moe", and qwen2_moe itself)
+PER_EXPERT_TYPES = frozenset((
+    "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_omni_moe", "qwen3_omni_moe_thinker", "qwen3_omni_moe_text",
+    "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "glm4v_moe",
+    "dots1", "ernie4_5_moe", "afmoe", "longcat_flash", "solar_open", "mellum", "beam", "hunyuan_v1_moe",
+    "flex_olmo", "olmoe", "exaone_moe", "cohere2_moe"))
+FUSED = ("gate_up_proj", "down_proj")
+
+
+def model_type(config: Mapping | None) -> str | None:
+    return config.get("model_type") if isinstance(config, Mapping) else None
+
+
+def why_not_split(config: Mapping | None, m: QuantModule | None = None) -> str | None:
+    """None where this model's fused experts (module m, where given) split into experts.N.{gate,up,
+    down}_proj, else why not."""
+    if m is not None and m.details.get("interleaved"):
+        return ("its gate and up rows are interleaved (gpt-oss' layout), and gpt-oss has no per-expert layout "
+                "that any loader reads (transformers and vLLM build its experts fused)")
+    kind = model_type(config)
+    if kind in PER_EXPERT_TYPES:
+        return None
+    if kind == "gpt_oss":
+        return ("gpt-oss interleaves gate and up rows and has no per-expert layout that any loader reads "
+                "(transformers and vLLM build its experts fused)")
+    return (f"qconv splits fused experts for the model types whose fused layout is transformers' "
+            f"[E, 2I, H] gate-then-up (qwen2_moe, qwen3_moe, deepseek_v3, glm4_moe, ...), not "
+            f"{kind or 'an unnamed model type'!r}")
+
+
+def split_names(name: str, experts: int, rows: int) -> list[tuple[str, int, int]]:
+    """(per-expert module, first stacked row, rows) of a fused tensor `name` holding `experts` x `rows`
+    stacked rows, in expert order: `<prefix>.experts.N.gate_proj` (rows N*2I .. N*2I+I of gate_up_proj's
+    [E*2I, H]), `.up_proj` (the next I), `.down_proj` (rows N*H .. N*H+H of down_proj's [E*H, I])."""
+    prefix, leaf = name.rsplit(".", 1)
+    if leaf == "gate_up_proj":
+        if rows % 2:
+            raise ValueError(f"{rows} gate_up_proj rows per expert: not a gate half and an up half")
+        parts = [("gate_proj", 0, rows // 2), ("up_proj", rows // 2, rows // 2)]
+    else:
+        parts = [("down_proj", 0, rows)]
+    return [(f"{prefix}.{e}.{sub}", e * rows + r0, n) for e in range(experts) for sub, r0, n in parts]
+
+
+def split_module(m: QuantModule) -> list[QuantModule]:
+    """The per-expert views of a fused module (split_names). Each keeps the parent's family, spec
+    details and tensors (for messages); details["rows_of"] = (parent, first row) routes its reads."""
+    return [replace(m, name=name, out_features=rows, experts=0, details={**m.details, "rows_of": (m, r0)})
+            for name, r0, rows in split_names(m.name, m.experts, m.out_features // m.experts)]
+
+
+def is_fused_name(name: str) -> bool:
+    prefix, _, leaf = name.rpartition(".")
+    return leaf in FUSED and prefix.endswith(".experts")
