@@ -23,7 +23,8 @@ TARGETS = {"gptq": "GPTQ", "gptq-v2": "GPTQ", "auto-round": "auto-round", "bnb8"
            "bnb4-nf4": "bitsandbytes 4-bit", "bnb4-fp4": "bitsandbytes 4-bit", "float16": "unquantized",
            "compressed-tensors": "compressed-tensors", "compressed-tensors-w8a8": "compressed-tensors",
            "awq": "AWQ", "fp8": "fine-grained FP8", "compressed-tensors-fp8": "compressed-tensors",
-           "compressed-tensors-nvfp4": "compressed-tensors", "modelopt-nvfp4": "ModelOpt"}
+           "compressed-tensors-nvfp4": "compressed-tensors", "modelopt-nvfp4": "ModelOpt",
+           "compressed-tensors-mxfp4": "compressed-tensors"}
 ASYMMETRIC = ("llama-gptq-w4g64-asym", "llama-awq-w4g128", "llama-ct-w4a16-asym")
 # gpt-oss' fused 3-D MoE experts (gate and up rows interleaved): the quantized formats hold one Linear per
 # expert, and gpt-oss has no per-expert layout a loader reads

@@ -20,7 +20,7 @@ from conftest import CHECKPOINTS
 SOURCE = {"compressed-tensors-w8a8": "llama-ct-w8a8", "awq": "llama-awq-w4g128", "bnb8": "llama-bnb8",
           "bnb4-nf4": "llama-bnb4-nf4-dq", "bnb4-fp4": "llama-bnb4-fp4", "fp8": "llama-fp8-block",
           "compressed-tensors-fp8": "llama-ct-fp8-dynamic", "compressed-tensors-nvfp4": "llama-ct-nvfp4a16",
-          "modelopt-nvfp4": "llama-modelopt-nvfp4"}
+          "modelopt-nvfp4": "llama-modelopt-nvfp4", "compressed-tensors-mxfp4": "llama-ct-mxfp4"}
 DEFAULT_SOURCE = "llama-ct-w4a16"
 MODULE = "model.layers.1.mlp.down_proj"
 _TORCH = {"I32": torch.int32, "I64": torch.int64, "I8": torch.int8, "U8": torch.uint8, "F16": torch.float16,

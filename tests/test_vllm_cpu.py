@@ -117,6 +117,9 @@ PAIRS = [
     Pair("ct-nvfp4-from-fp16", qconv("llama-fp16", "convert", "--to", "compressed-tensors-nvfp4"), expect="refused",
          refusal="Marlin FP4 not available", needs="compressed-tensors-nvfp4",
          note="vLLM CPU 0.32 has no NVFP4 kernel (Marlin FP4 / CUTLASS run it on GPUs); not a qconv failure"),
+    Pair("ct-mxfp4-from-fp16", qconv("llama-fp16", "convert", "--to", "compressed-tensors-mxfp4"), expect="refused",
+         refusal="Failed to find a kernel that can implement the MXFP4 linear layer", needs="compressed-tensors-mxfp4",
+         note="vLLM CPU 0.32 has no MXFP4 linear kernel (its MXFP4 kernels run on GPUs); not a qconv failure"),
     # producer-made reference fixtures: prove the harness on files qconv did not write
     Pair("producer-ct-w4a16", producer("llama-ct-w4a16")),
     Pair("producer-ct-w4a16-asym", producer("llama-ct-w4a16-asym")),

@@ -23,7 +23,8 @@ from typing import Mapping
 import numpy as np
 
 from ...errors import CorruptCheckpoint, UnsupportedFormat
-from .header import (FP8_TARGET, INT, NAIVE, NVFP4, NVFP4_GROUP, NVFP4_TARGET, PACKED, READABLE_FORMATS,
+from .header import (FP8_TARGET, INT, MXFP4_GROUP, MXFP4_TARGET, NAIVE, NVFP4, NVFP4_GROUP, NVFP4_TARGET, PACKED,
+                     READABLE_FORMATS, mxfp4_leaves,
                      _PADDED_BITS, _SCALE_DTYPES, _padded_range, check, float_leaves, fused_group, leaves,
                      nvfp4_leaves, padded_layout_message)
 from ..core.ir import QuantSpec, QuantTensor
@@ -282,6 +283,8 @@ def encode_for(target: str, qt: QuantTensor, spec: QuantSpec, g_idx: bool) -> di
         return encode_fp8(qt, spec)
     if target == NVFP4_TARGET:
         return encode_nvfp4(qt, spec)
+    if target == MXFP4_TARGET:
+        return encode_mxfp4(qt, spec)
     return encode(qt, INT if target == "compressed-tensors-w8a8" else PACKED, spec.scale_dtype)
 
 
@@ -561,7 +564,16 @@ def quantize_nvfp4(w: np.ndarray, dtype: str, g: float) -> tuple[np.ndarray, np.
     scale = torch.where(scale == 0, torch.tensor(0.125, dtype=torch.float32), scale)
     scaled = xg / (scale / gs).unsqueeze(-1)
     scaled += torch.zeros((), dtype=tdtype)
-    t = torch.clamp(scaled, q_min, q_max)
+    return _e2m1_codes(scaled.reshape(out, inp)), scale.numpy()
+
+
+def _e2m1_codes(scaled) -> np.ndarray:
+    """e2m1 nibbles (sign in bit 3) of values already divided by their scale, as compressed-tensors
+    rounds them: clamped to +-6, then cast_to_fp4's intervals (ties to even), the sign kept for a value
+    rounded to 0."""
+    import torch
+
+    t = torch.clamp(scaled, -E2M1_MAX, E2M1_MAX)
     sign = torch.sign(t)
     t = torch.abs(t)
     rounded = torch.zeros_like(t)
@@ -570,13 +582,13 @@ def quantize_nvfp4(w: np.ndarray, dtype: str, g: float) -> tuple[np.ndarray, np.
         inside = (t >= lo_) & (t <= hi_) if closed else (t > lo_) & (t < hi_)
         rounded[inside] = value
     rounded[t > 5.0] = 6.0
-    q = (rounded * sign).reshape(out, inp)
-    codes = torch.zeros((out, inp), dtype=torch.uint8)
+    q = rounded * sign
+    codes = torch.zeros(q.shape, dtype=torch.uint8)
     magnitude = (q * 2).to(torch.int8).abs()
     for i, v in enumerate((0, 1, 2, 3, 4, 6, 8, 12)):
         codes[magnitude == v] = i
     codes |= torch.signbit(q).to(torch.uint8) << 3
-    return codes.numpy(), scale.numpy()
+    return codes.numpy()
 
 
 def _nvfp4_tensor(codes: np.ndarray, group_scales: np.ndarray, g: float, spec: QuantSpec, dtype: str) -> QuantTensor:
@@ -619,6 +631,117 @@ def encode_nvfp4(qt: QuantTensor, spec: QuantSpec) -> dict[str, tuple[str, np.nd
            "weight_scale": ("F8_E4M3", e4m3_bytes(qt.group_scales)),
            "weight_global_scale": ("F32", np.array([qt.global_scale], dtype=np.float32))}
     planned = nvfp4_leaves(spec, qt.shape)
+    stored = {leaf: (d, tuple(a.shape)) for leaf, (d, a) in res.items()}
+    if stored != planned:
+        raise ValueError(f"stores {stored}, but {planned} were planned")
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Target compressed-tensors-mxfp4: llm-compressor's MXFP4A16 (mxfp4-pack-quantized)
+
+def _mxfp4_spec() -> QuantSpec:
+    return QuantSpec("e2m1", 4, MXFP4_GROUP, True, codebook=E2M1_BOOK, scale_dtype="U8")
+
+
+def fit_mxfp4(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str | None]:
+    """The spec of a module in compressed-tensors-mxfp4: e2m1 codes in groups of 32 along each row, one
+    e8m0 power-of-two scale per group. Codes are kept where the source is MXFP4 (e2m1 in groups of 32
+    under power-of-two scales alone: compressed-tensors' own, gpt-oss'); everything else is quantized
+    from its exact weights as llm-compressor does (requantize_mxfp4). Every option is llm-compressor's
+    choice: refused. A module whose inputs are not whole groups of 32 is refused."""
+    from ...errors import UsageError
+
+    for option, value in (("--bits", request.bits), ("--group-size", request.group_size),
+                          ("--sym/--asym", request.sym), ("--scale-dtype", request.scale_dtype),
+                          ("--block-size", request.block_size)):
+        if value is not None:
+            raise UsageError(f"{option}: {MXFP4_TARGET} is MXFP4 as llm-compressor writes it (e2m1 in groups of "
+                             f"{MXFP4_GROUP}, e8m0 scales); it takes no such setting")
+    if m.in_features % MXFP4_GROUP:
+        raise UnsupportedFormat(f"has {m.in_features} input features, not a whole number of MXFP4 groups of "
+                                f"{MXFP4_GROUP}; {MXFP4_TARGET} cannot hold it", tensor=m.name)
+    spec = _mxfp4_spec()
+    if src.scheme == "e2m1" and src.group_size == MXFP4_GROUP and src.global_scale is None and src.scale_dtype == "U8":
+        return spec, None
+    if src.scheme == "float":
+        return spec, f"{src.name} weights quantized data-free to MXFP4 (no calibration data)"
+    return spec, f"{src.name} codes become MXFP4"
+
+
+def _round_to_power_2(x):
+    """compressed-tensors' round_to_power_2 (mxfp_utils.py) on a float16 / bfloat16 / float32 tensor: add
+    half of the significand's second bit and keep sign and exponent (a power of two, rounded up from a
+    significand of 1.75 on)."""
+    import torch
+
+    mantissa = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}[x.dtype]
+    exponent = {torch.float16: 5, torch.bfloat16: 8, torch.float32: 8}[x.dtype]
+    bits = x.view(torch.int16 if x.dtype != torch.float32 else torch.int32).to(torch.int32)
+    if x.dtype != torch.float32:
+        bits = bits & 0xFFFF
+    mask = ((1 << (exponent + 1)) - 1) << mantissa
+    out = torch.bitwise_and(bits + (1 << (mantissa - 2)), mask)
+    return out.view(torch.float32) if x.dtype == torch.float32 else out.to(torch.uint16).view(x.dtype)
+
+
+def quantize_mxfp4(w: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(codes uint8 [out, in] e2m1 nibbles, e8m0 exponents uint8 [out, in/32]) of a weight, as
+    llm-compressor's MXFP4A16 oneshot computes them (memoryless_minmax observer, compressed-tensors 0.19
+    calculate_qparams, generate_mx_scales and the mxfp4 compressor), with the same torch operations, in
+    the model dtype:
+
+    * per group of 32: amax = max(|min(lo, 0)|, max(hi, 0)); e = 127 + floor(log2(round_to_power_2(amax)))
+      - 2, clamped to 0..255 and rounded; scale = 2^(e - 127) in the model dtype, 1 (uint8's eps) where
+      that is 0 (float16 holds no power of two under 2^-24: an all-zero group gets 1 there, 2^-127 in
+      bfloat16 and float32);
+    * codes: x / scale in the model dtype, plus the zero point (-0.0 becomes +0.0), rounded to e2m1 as
+      NVFP4's; stored exponents 127 + floor(log2(scale))."""
+    import torch
+
+    tdtype = getattr(torch, dtype) if dtype in _TORCH_DTYPES else torch.float32
+    x = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(tdtype)
+    out, inp = x.shape
+    xg = x.reshape(out, inp // MXFP4_GROUP, MXFP4_GROUP)
+    zero = torch.zeros(1, dtype=tdtype)
+    lo, hi = torch.min(xg.amin(-1), zero), torch.max(xg.amax(-1), zero)
+    amax = torch.max(lo.abs(), hi.abs())
+    e = 127 + torch.floor(torch.log2(_round_to_power_2(amax))) - 2
+    e = torch.round(torch.clamp(e, 0, 255)).to(torch.uint8).to(tdtype)
+    scale = (2.00 ** ((e.to(torch.int32) - 127).to(torch.float))).to(tdtype)
+    scale = torch.where(scale == 0, torch.tensor(1, dtype=tdtype), scale)
+    scaled = xg / scale.unsqueeze(-1)
+    scaled += torch.zeros((), dtype=tdtype)
+    stored = (127 + torch.floor(torch.log2(scale)).to(torch.int32)).to(torch.uint8)
+    return _e2m1_codes(scaled.reshape(out, inp)), stored.numpy()
+
+
+def requantize_mxfp4(source, w: np.ndarray, spec: QuantSpec, settings: Mapping) -> tuple[QuantTensor, QuantTensor]:
+    """A module quantized to MXFP4 from its exact weights as llm-compressor quantizes it (quantize_mxfp4:
+    min-max, no search, so the report's two columns are the same)."""
+    codes, exponents = quantize_mxfp4(w, source.dtype)
+    qt = QuantTensor(spec, codes.shape, source.dtype, codes=codes, scales=e8m0(exponents))
+    return qt, qt
+
+
+def retarget_mxfp4(qt: QuantTensor, spec: QuantSpec, settings: Mapping) -> tuple[QuantTensor, None]:
+    """Kept e2m1 codes and e8m0 scales (powers of two: nothing rounds)."""
+    return replace(qt, spec=spec, product_dtype=None), None
+
+
+def encode_mxfp4(qt: QuantTensor, spec: QuantSpec) -> dict[str, tuple[str, np.ndarray]]:
+    """weight_packed (two e2m1 codes a byte, the even element in the low nibble) and weight_scale (the
+    e8m0 exponent of each group's power-of-two scale): what mxfp4_leaves predicts."""
+    codes = np.ascontiguousarray(qt.codes, dtype=np.uint8)
+    if codes.size and int(codes.max()) > 0xF:
+        raise ValueError("e2m1 codes do not fit in 4 bits")
+    scales = np.asarray(qt.scales, dtype=np.float32)
+    mantissa, exponent = np.frexp(scales)
+    if scales.size and not (np.all(mantissa == 0.5) and np.all((exponent >= -126) & (exponent <= 128))):
+        raise ValueError("scales that are not powers of two from 2^-127 to 2^127 (e8m0)")
+    res = {"weight_packed": ("U8", np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << 4))),
+           "weight_scale": ("U8", np.ascontiguousarray((exponent + 126).astype(np.uint8)))}
+    planned = mxfp4_leaves(spec, qt.shape)
     stored = {leaf: (d, tuple(a.shape)) for leaf, (d, a) in res.items()}
     if stored != planned:
         raise ValueError(f"stores {stored}, but {planned} were planned")

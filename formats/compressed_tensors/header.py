@@ -997,16 +997,46 @@ def nvfp4_config(ctx) -> dict:
     """The quantization_config llm-compressor writes for NVFP4A16: one nvfp4-pack-quantized group
     targeting the class "Linear" (weights only: e2m1, tensor_group of 16, e4m3 scales), ``ignore`` the
     Linears left in float by exact name. ``observer`` is null, as qconv's other writers write it."""
+    return _fp4_config(ctx, NVFP4_TARGET, NVFP4, "tensor_group", NVFP4_GROUP, "torch.float8_e4m3fn")
+
+
+def _fp4_config(ctx, target: str, fmt: str, strategy: str, group_size: int, scale_dtype: str) -> dict:
     for name, spec in ctx.specs.items():
         if spec.scheme != "e2m1":
-            raise ValueError(f"{name}: {NVFP4_TARGET} stores e2m1 codes, not {spec.name}")
-    weights = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": NVFP4_GROUP,
-               "num_bits": 4, "observer": None, "observer_kwargs": {}, "scale_dtype": "torch.float8_e4m3fn",
-               "strategy": "tensor_group", "symmetric": True, "type": "float", "zp_dtype": None}
-    group = {"format": NVFP4, "input_activations": None, "output_activations": None, "targets": ["Linear"],
+            raise ValueError(f"{name}: {target} stores e2m1 codes, not {spec.name}")
+    weights = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": group_size,
+               "num_bits": 4, "observer": None, "observer_kwargs": {}, "scale_dtype": scale_dtype,
+               "strategy": strategy, "symmetric": True, "type": "float", "zp_dtype": None}
+    group = {"format": fmt, "input_activations": None, "output_activations": None, "targets": ["Linear"],
              "weights": weights}
     ignore = sorted((n for n in ctx.unquantized if _ignorable(n)), key=lambda n: ("." not in n, natural_key(n)))
-    return {"config_groups": {"group_0": group}, "format": NVFP4, "global_compression_ratio": None,
+    return {"config_groups": {"group_0": group}, "format": fmt, "global_compression_ratio": None,
             "ignore": ignore, "kv_cache_scheme": None, "quant_method": QUANT_METHOD,
             "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {},
             "version": LAYOUT_VERSION}
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry's writer hooks of target compressed-tensors-mxfp4: llm-compressor's MXFP4A16
+# (codec.fit_mxfp4 / requantize_mxfp4 / retarget_mxfp4 compute the data)
+
+MXFP4_TARGET = "compressed-tensors-mxfp4"
+MXFP4_GROUP = 32
+
+
+def mxfp4_leaves(spec: "QuantSpec", shape: tuple[int, int], g_idx: bool = False,
+                 **settings) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """What codec.encode_mxfp4 stores (stdlib, before any data): e2m1 codes two a byte ``weight_packed``
+    U8 [out, in/2] (the even element in the low nibble) and e8m0 exponents ``weight_scale`` U8 [out, in/32]."""
+    out, inp = shape
+    if spec.scheme != "e2m1" or spec.group_size != MXFP4_GROUP or g_idx:
+        raise ValueError(f"compressed-tensors MXFP4 stores e2m1 codes in groups of {MXFP4_GROUP}, not {spec.name}")
+    if inp % MXFP4_GROUP:
+        raise ValueError(f"{inp} input features are not whole groups of {MXFP4_GROUP}")
+    return {"weight_packed": ("U8", (out, inp // 2)), "weight_scale": ("U8", (out, inp // MXFP4_GROUP))}
+
+
+def mxfp4_config(ctx) -> dict:
+    """The quantization_config llm-compressor writes for MXFP4A16: one mxfp4-pack-quantized group
+    targeting "Linear" (e2m1, groups of 32, uint8 e8m0 scales), ``ignore`` the Linears left in float."""
+    return _fp4_config(ctx, MXFP4_TARGET, MXFP4, "group", MXFP4_GROUP, "torch.uint8")

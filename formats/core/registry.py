@@ -404,6 +404,14 @@ def _register_targets() -> None:
                            share=_lazy("compressed_tensors.codec", "share_nvfp4"),
                            requantize=_lazy("compressed_tensors.codec", "requantize_nvfp4"),
                            retarget=_lazy("compressed_tensors.codec", "retarget_nvfp4")))
+    # llm-compressor's MXFP4A16 (mxfp4-pack-quantized): its own fit, quantizer (llm-compressor's
+    # arithmetic) and retarget (codes and e8m0 scales kept from MXFP4); compressed_tensors/.
+    register_target(Target(compressed_tensors.MXFP4_TARGET, "ct",
+                           Caps(frozenset({4}), asym=False, per_row=False, scale_dtypes=frozenset({"U8"})),
+                           compressed_tensors.mxfp4_leaves, compressed_tensors.mxfp4_config, "compressed_tensors.codec",
+                           fit=_lazy("compressed_tensors.codec", "fit_mxfp4"),
+                           requantize=_lazy("compressed_tensors.codec", "requantize_mxfp4"),
+                           retarget=_lazy("compressed_tensors.codec", "retarget_mxfp4")))
     # ModelOpt NVFP4 (quant_algo NVFP4, W4A4): codes, e4m3 scales, weight_scale_2 and the calibrated
     # input_scale kept from NVFP4 sources that carry a static activation scale (ModelOpt's own, or
     # compressed-tensors W4A4's divisors inverted); every other source is refused in plan, since no data-free
