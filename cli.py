@@ -224,9 +224,12 @@ def _common(fn):
 @click.option("--block-size", default=None, metavar="ROWSxCOLS",
               help="fp8, compressed-tensors-fp8: the 2-D block of each scale (default: the source's FP8 "
                    "block, else 128x128 for fp8 and one scale per channel for compressed-tensors-fp8).")
+@click.option("--search/--no-search", default=True, show_default=True,
+              help="Integer targets: requantize with the per-group error-minimising search, or plain "
+                   "round-to-nearest (several times faster, a larger error; reported either way).")
 @_common
 def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, double_quant, quant_storage,
-                block_size, overwrite, max_shard_size, jobs, as_json, validate) -> int:
+                block_size, search, overwrite, max_shard_size, jobs, as_json, validate) -> int:
     """Rewrite SRC in another format at DST, keeping every integer code where the arithmetic allows
     (bnb8 <-> GPTQ 8-bit per-row symmetric or compressed-tensors W8A8 / W8A16 per channel; GPTQ v1 <-> v2
     <-> auto-round <-> compressed-tensors <-> AWQ where the bits, groups and zero points fit). W8A8 also
@@ -239,7 +242,7 @@ def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, dou
     result = api.convert(src, dst, to=to, bits=bits, group_size=group_size, sym=sym, scale_dtype=scale_dtype,
                          blocksize=int(blocksize) if blocksize else None, double_quant=double_quant,
                          quant_storage=quant_storage, block_size=block_size, validate=validate, overwrite=overwrite,
-                         max_shard_size=max_shard_size, jobs=jobs, progress=_progress())
+                         max_shard_size=max_shard_size, jobs=jobs, search=search, progress=_progress())
     return _show_convert(result, as_json)
 
 

@@ -3,7 +3,7 @@ DeepSeek-V3's config, real names and shapes of its first decoder layers, random 
 
   * `qconv dequantize` (-> bfloat16, what people run an FP8 release on older hardware with),
   * `qconv convert --to compressed-tensors-w8a8` (int8 per channel, searched, error and activation cost
-    reported),
+    reported), and the same with `--no-search` (plain round-to-nearest, as min-max quantizers do),
   * `qconv convert --to compressed-tensors-fp8` of the dequantized bfloat16 model (FP8_DYNAMIC: the
     data-free job llm-compressor's model_free_ptq does; bench_model_free_ptq.py runs that peer),
 
@@ -15,6 +15,7 @@ cores / this machine's cores (qconv's search and decoding run on every core, num
 
     .venv/bin/python benchmarks/bench_fp8_scale.py [--dense 1] [--moe 0] [--experts 16] [--runs 1]
                                                    [--cores 64] [--jobs 1,2] [--max-shard-size 200MB]
+                                                   [--only no-search,dequantize]
 
 Every qconv job runs once per --jobs value (worker processes writing the output shards, convert/parallel.py;
 --max-shard-size makes the several shards they share); peak RSS is that of the largest single process
@@ -73,6 +74,7 @@ def main() -> None:
     ap.add_argument("--cores", type=int, default=64)
     ap.add_argument("--jobs", default="1,2", help="comma-separated --jobs values to run each job with")
     ap.add_argument("--max-shard-size", default="200MB")
+    ap.add_argument("--only", default=None, help="comma-separated pieces of job labels: run only those jobs")
     args = ap.parse_args()
     job_counts = [int(j) for j in args.jobs.split(",")]
     qconv = str(Path(sys.executable).parent / "qconv")
@@ -86,7 +88,12 @@ def main() -> None:
         subprocess.run([qconv, "dequantize", src, bf16], check=True, capture_output=True)   # warm-up, and fp8's source
         jobs = [("dequantize -> bfloat16", src, [qconv, "dequantize"]),
                 ("convert --to compressed-tensors-w8a8", src, [qconv, "convert", "--to", "compressed-tensors-w8a8"]),
+                ("convert --to compressed-tensors-w8a8 --no-search", src,
+                 [qconv, "convert", "--to", "compressed-tensors-w8a8", "--no-search"]),
                 ("convert bf16 --to compressed-tensors-fp8", bf16, [qconv, "convert", "--to", "compressed-tensors-fp8"])]
+        if args.only:
+            wanted = args.only.split(",")
+            jobs = [j for j in jobs if any(w in j[0] for w in wanted)]
         jobs = [(f"{label} --jobs {n}", source, [*cmd, "--jobs", str(n), "--max-shard-size", args.max_shard_size])
                 for label, source, cmd in jobs for n in job_counts]
         rows, per_gb = [], {}

@@ -12,10 +12,15 @@ above LLM.int8's 6.0 threshold, as real LLM activations have), three outputs are
 * the float product of the written weights.
 
 The report gives, per layer, the relative Frobenius error of the target's output against the source's
-matmul (the accuracy trade a user makes by serving W8A8 instead), and each against float.
+matmul (the accuracy trade a user makes by serving W8A8 instead), and each against float. A layer of
+more than MAX_CHANNELS output channels is measured on WINDOWS windows of WINDOW_ROWS channels spread
+evenly over it (an estimate of the same ratio, as validate samples rows), so the report costs a bounded
+part of a large layer's decoding.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -23,7 +28,8 @@ from ..formats.storage.checkpoint import Component
 from ..formats.core.detect import Detection
 from ..formats.core.ir import QuantTensor
 from ..formats.core.layout import QuantModule
-from ..formats.core.reader import model_dtype, read_module, require_decodable
+from ..formats.core.reader import model_dtype, read_float_rows, read_module, require_decodable
+from ..formats.core.registry import family
 from ..probes import import_bitsandbytes, outlier_activations
 
 SAMPLES = 32
@@ -42,13 +48,29 @@ def int8_token_matmul(x: np.ndarray, qt: QuantTensor, rows: tuple[int, int] | No
 
 
 BLOCK_ELEMENTS = 1 << 20     # weights of one block of output channels held in float64 at a time
+MAX_CHANNELS = 2048          # output channels compared whole; a larger layer is sampled:
+WINDOWS, WINDOW_ROWS = 32, 64  # windows of channels spread evenly over it
 
 
-def _by_rows(out: int, inp: int, fn) -> np.ndarray:
-    """np.hstack of fn(r0, r1) over blocks of output channels: a layer's float64 weight is never held
-    whole."""
+def channel_windows(out: int, step: int = 1) -> list[tuple[int, int]]:
+    """The output channels a layer's cost is measured on: all of them, or WINDOWS windows of WINDOW_ROWS
+    (at least step) starting on multiples of step (the row windows both sides' readers take)."""
+    size = math.lcm(WINDOW_ROWS, step)
+    if out <= max(MAX_CHANNELS, WINDOWS * size):
+        return [(0, out)]
+    starts = sorted({int(r) // step * step for r in np.linspace(0, out - size, WINDOWS)})
+    return [(r0, r0 + size) for r0 in starts]
+
+
+def _step(q: QuantModule) -> int:
+    return 1 if q.family == "float" else family(q.family).row_step(q)
+
+
+def _by_rows(windows: list[tuple[int, int]], inp: int, fn) -> np.ndarray:
+    """np.hstack of fn(r0, r1) over blocks of the windows' output channels: a layer's float64 weight is
+    never held whole."""
     step = max(1, BLOCK_ELEMENTS // max(1, inp))
-    return np.hstack([fn(r0, min(out, r0 + step)) for r0 in range(0, out, step)])
+    return np.hstack([fn(r0, min(w1, r0 + step)) for w0, w1 in windows for r0 in range(w0, w1, step)])
 
 
 def _llm_int8(comp: Component, m: QuantModule, x: np.ndarray) -> np.ndarray | None:
@@ -85,24 +107,32 @@ def activation_cost(src: Component, det: Detection, modules: list[QuantModule], 
     for m in modules:
         if m.out_features == 0 or m.in_features == 0:      # a zero-size layer computes nothing to compare
             continue
-        target = read_module(out, out_det, written[m.name], out_dtype)
+        tm = written[m.name]
         x = outlier_activations(SAMPLES, m.in_features, seed)
         x64 = x.astype(np.float64)
-        out_f, in_f = m.out_features, m.in_features
-        y_float = _by_rows(out_f, in_f, lambda r0, r1: x64 @ target.dequantize_rows(r0, r1).astype(np.float64).T)
-        y_target = _by_rows(out_f, in_f, lambda r0, r1: int8_token_matmul(x, target, (r0, r1)))
+        windows, in_f = channel_windows(m.out_features, math.lcm(_step(m), _step(tm))), m.in_features
+        whole = windows == [(0, m.out_features)]
         y_source = _llm_int8(src, m, x) if m.family == "bnb8" else None
+        if y_source is not None:
+            y_source = np.hstack([y_source[:, r0:r1] for r0, r1 in windows])
         kernel = "bitsandbytes LLM.int8 (threshold 6.0)" if y_source is not None else "float"
-        if y_source is None:
-            if m.family == "float":
-                from ..formats.storage.tensor_io import read_array, to_float32
-                info = src.tensors[m.weight_tensors[0]]
-
-                def rows_of(r0, r1, info=info):
-                    return to_float32(read_array(info, rows=(r0, r1)), info.dtype)
-            else:
-                rows_of = read_module(src, det, m, src_dtype).dequantize_rows
-            y_source = _by_rows(out_f, in_f, lambda r0, r1: x64 @ rows_of(r0, r1).astype(np.float64).T)
+        ys = {"float": [], "target": [], "source": []}
+        for w0, w1 in windows:                 # each side read a window at a time, only its rows' bytes
+            rows = None if whole else (w0, w1)
+            target = read_module(out, out_det, tm, out_dtype, rows)
+            local = [(0, w1 - w0)]
+            ys["float"].append(_by_rows(local, in_f, lambda r0, r1: x64 @ target.dequantize_rows(r0, r1).astype(np.float64).T))
+            ys["target"].append(_by_rows(local, in_f, lambda r0, r1: int8_token_matmul(x, target, (r0, r1))))
+            if y_source is None or kernel == "float":
+                if m.family == "float":
+                    def rows_of(r0, r1, w0=w0):
+                        return read_float_rows(src, m, (w0 + r0, w0 + r1))
+                else:
+                    rows_of = read_module(src, det, m, src_dtype, rows).dequantize_rows
+                ys["source"].append(_by_rows(local, in_f, lambda r0, r1: x64 @ rows_of(r0, r1).astype(np.float64).T))
+        y_float, y_target = np.hstack(ys["float"]), np.hstack(ys["target"])
+        if kernel == "float":
+            y_source = np.hstack(ys["source"])
         kernels.add(kernel)
         layers.append({"module": m.name, "vs_source_matmul": round(_rel(y_target, y_source), 6),
                        "source_matmul_vs_float": round(_rel(y_source, y_float), 6),
@@ -110,6 +140,7 @@ def activation_cost(src: Component, det: Detection, modules: list[QuantModule], 
     worst = max(layers, key=lambda r: r["vs_source_matmul"], default=None)
     return {"activations": "int8, per token, dynamic", "source_matmul": sorted(kernels),
             "samples": SAMPLES, "seed": seed, "layers": layers,
+            "channels": f"all up to {MAX_CHANNELS} per layer, else {WINDOWS} windows of {WINDOW_ROWS} spread evenly",
             "max_vs_source_matmul": worst["vs_source_matmul"] if worst else None,
             "worst_layer": worst["module"] if worst else None,
             "median_vs_source_matmul": float(np.median([r["vs_source_matmul"] for r in layers])) if layers else None}

@@ -37,7 +37,7 @@ from ..formats.core.ir import QuantSpec, QuantTensor
 from ..formats.core.minifloat import BOOKS
 from ..formats.core.layout import QuantModule, examples, natural_key
 from ..formats.core.experts import is_fused_name, split_module, why_not_split
-from ..formats.core.reader import model_dtype, read_module, require_decodable
+from ..formats.core.reader import model_dtype, read_float_rows, read_module, require_decodable
 from ..formats.storage.safetensors_header import DTYPES, FLOAT_DTYPES
 from ..formats.storage.tensor_io import FLOAT_NAMES, encode_float, finite_scales, read_array, to_float32
 from .dequantize import dequantize_component, finite_rows
@@ -66,6 +66,7 @@ class Options:
     quant_storage: str | None = None    # None: the source's, else uint8
     block_size: tuple[int, int] | None = None   # FP8 targets' 2-D block (None: the source's, else 128 x 128)
     source: str | None = None           # the only source method accepted (bnb8-to-gptq: "bnb8")
+    search: bool = True                 # False: integer requantization is plain round-to-nearest (--no-search)
 
 
 @dataclass
@@ -173,12 +174,7 @@ def _data_free_modules(comp: Component, opts: Options) -> list[QuantModule]:
 
 def _read_float(comp: Component, m: QuantModule) -> FloatWeight:
     info = comp.tensors[m.weight_tensors[0]]
-    view = m.details.get("rows_of")             # a split expert: its rows of the fused [E * R, in]
-    if view is None:
-        values = to_float32(read_array(info), info.dtype)
-    else:
-        stacked = replace(info, shape=(info.shape[0] * info.shape[1], info.shape[2]))
-        values = to_float32(read_array(stacked, rows=(view[1], view[1] + m.out_features)), info.dtype)
+    values = read_float_rows(comp, m)
     if not np.all(np.isfinite(values)):
         raise CorruptCheckpoint("holds non-finite weights (NaN or infinity); they cannot be quantized",
                                 file=info.file, tensor=info.name)
@@ -451,7 +447,7 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
             st.requantized(m.name, lossy, source.spec.name, spec.name, _layer_error(w, qt, rtn))
         elif lossy:
             qt, err = requantize(_exact_weights(comp, m, source), spec.bits, spec.group_size, spec.symmetric,
-                                 spec.scale_dtype, source.dtype)
+                                 spec.scale_dtype, source.dtype, search=opts.search)
             qt = replace(qt, spec=spec) if tgt.retarget is None else tgt.retarget(qt, spec, settings)[0]
             st.requantized(m.name, lossy, source.spec.name, spec.name, err)
         else:
@@ -599,7 +595,7 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
     if views:           # fused experts written as one Linear per expert (_split_experts)
         fused = sorted({m.details["rows_of"][0].name for m in views}, key=natural_key)
         summary["experts_split"] = {"fused_tensors": len(fused), "modules": len(views), "examples": fused[:2]}
-    return {"component": comp.name, "from": det.method, "to": opts.to, **summary, **written,
+    return {"component": comp.name, "from": det.method, "to": opts.to, "search": opts.search, **summary, **written,
             "warnings": list(det.warnings) + _v1_zero_warning(summary["v1_zero_points"])
             + _activation_warning(modules, p.outputs, opts)}
 

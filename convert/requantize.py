@@ -221,8 +221,9 @@ def layer_error(w: np.ndarray, qt: QuantTensor, rtn: QuantTensor) -> LayerError:
 
 
 def requantize(w: np.ndarray, bits: int, group_size: int, sym: bool, scale_dtype: str,
-               dtype: str) -> tuple[QuantTensor, LayerError]:
-    """Searched quantization of w, with its error and, for comparison, plain round-to-nearest's."""
-    qt = quantize(w, bits, group_size, sym, scale_dtype, dtype, search=True)
+               dtype: str, search: bool = True) -> tuple[QuantTensor, LayerError]:
+    """Searched quantization of w, with its error and, for comparison, plain round-to-nearest's; with
+    search=False (convert --no-search) round-to-nearest itself, its error in both columns."""
     rtn = quantize(w, bits, group_size, sym, scale_dtype, dtype, search=False)
+    qt = quantize(w, bits, group_size, sym, scale_dtype, dtype, search=True) if search else rtn
     return qt, layer_error(w, qt, rtn)

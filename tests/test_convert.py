@@ -211,6 +211,25 @@ def test_requantized_4bit_beats_round_to_nearest(tmp_path, name):
     assert report["sq_error_vs_rtn"] == pytest.approx(total / total_rtn, abs=1e-4)
 
 
+def test_no_search_writes_plain_round_to_nearest(tmp_path):
+    """--no-search: each requantized module is plain GPTQ round-to-nearest (_rtn_sq_error, written here
+    independently), its error in both columns of the report; the searched default beats it."""
+    name = "llama-bnb4-nf4-dq"
+    plain = json.loads(_convert(CHECKPOINTS / name, tmp_path / "rtn", "--to", "gptq", "--no-search",
+                                "--json").stdout)["components"][0]
+    searched = json.loads(_convert(CHECKPOINTS / name, tmp_path / "s", "--to", "gptq", "--json").stdout)["components"][0]
+    assert plain["search"] is False and searched["search"] is True
+    assert plain["sq_error_vs_rtn"] == 1 and searched["sq_error_vs_rtn"] < 0.8
+    run_qconv("dequantize", "--dtype", "float32", tmp_path / "rtn", tmp_path / "deq", check=0)
+    oracle, ours = load_file(CHECKPOINTS / name / "oracle" / "dequant.safetensors"), load_tensors(tmp_path / "deq")
+    layers = {r["module"]: r for r in plain["layers"]}
+    for key, w in oracle.items():
+        w = w.double().numpy()
+        sq, rtn = float(((ours[key].double().numpy() - w) ** 2).sum()), _rtn_sq_error(w, 4, 64)
+        r = layers[key[: -len(".weight")]]
+        assert r["sq_error"] == r["rtn_sq_error"] and abs(sq - rtn) <= 1e-3 * rtn, key
+
+
 @pytest.mark.parametrize("name, args, reason", [
     ("llama-bnb8", ["--to", "gptq", "--bits", "4", "--group-size", "128"], "8-bit codes become 4-bit"),
     ("llama-gptq-w8g128", ["--to", "gptq", "--group-size", "64"], "group size 128 becomes 64"),

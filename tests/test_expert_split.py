@@ -78,15 +78,18 @@ def test_validate_pairs_fused_experts_with_the_split_ones(tmp_path):
     assert [r["module"] for r in comp["layers"] if not r["ok"]] == [f"{MOE}.2.up_proj"]
 
 
-def test_a_fused_float_model_is_quantized_per_expert(tmp_path):
+@pytest.mark.parametrize("target", ["gptq", "compressed-tensors-w8a8"])
+def test_a_fused_float_model_is_quantized_per_expert(tmp_path, target):
     """Data-free quantization of a float model with fused experts quantizes the experts too (as per-expert
-    Linears), never leaves them float: the same bytes as from the per-expert float model."""
+    Linears), never leaves them float: the same bytes as from the per-expert float model, and the same
+    report (W8A8's activation cost reads each expert's rows of the fused source)."""
     run_qconv("dequantize", FUSED, tmp_path / "fused", check=0)
     run_qconv("dequantize", PER_EXPERT, tmp_path / "per", check=0)
-    a = convert_component(tmp_path / "fused", tmp_path / "a", "gptq")
-    convert_component(tmp_path / "per", tmp_path / "b", "gptq")
+    a = convert_component(tmp_path / "fused", tmp_path / "a", target)
+    b = convert_component(tmp_path / "per", tmp_path / "b", target)
     assert a["modules"] == 32 and a["experts_split"]["modules"] == 24
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert a["layers"] == b["layers"] and a.get("activation_cost") == b.get("activation_cost")
 
 
 def test_a_model_type_with_another_fused_layout_is_refused(tmp_path):

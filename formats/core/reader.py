@@ -110,6 +110,24 @@ def model_dtype(comp: Component, det: Detection) -> str:
     return "float16"
 
 
+def read_float_rows(comp: Component, m: QuantModule, rows: tuple[int, int] | None = None):
+    """Rows r0:r1 (all: None) of an unquantized Linear's weight (a module of family "float", which
+    data-free conversion quantizes) as float32; a split expert (experts.split_module) as its rows of the
+    fused [E, R, in] tensor it is a view of."""
+    from dataclasses import replace
+
+    from ..storage.tensor_io import read_array, to_float32
+
+    info = comp.tensors[m.weight_tensors[0]]
+    r0, r1 = rows or (0, m.out_features)
+    view = m.details.get("rows_of")
+    if view is not None:
+        info = replace(info, shape=(info.shape[0] * info.shape[1], info.shape[2]))
+        r0, r1 = view[1] + r0, view[1] + r1
+    whole = view is None and rows is None
+    return to_float32(read_array(info, rows=None if whole else (r0, r1)), info.dtype)
+
+
 def read_module(comp: Component, det: Detection, m: QuantModule, dtype: str,
                 rows: tuple[int, int] | None = None) -> QuantTensor:
     """The module (or its output rows r0:r1, see Family.read) as a QuantTensor; a split expert
