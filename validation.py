@@ -149,17 +149,20 @@ class Side:
         for name, e in list(self.entries.items()):
             if name in other.entries or not is_fused_name(name):
                 continue
-            if e.module is not None and e.module.experts:
-                if why_not_split(self.comp.config, e.module) is not None:
+            try:
+                if e.module is not None and e.module.experts:
+                    if why_not_split(self.comp.config, e.module) is not None:
+                        continue
+                    views = [Entry(v.name, v, None) for v in split_module(e.module)]
+                elif e.module is None:
+                    experts, rows, inp = self.comp.tensors[name].shape
+                    size = DTYPES[e.info.dtype][0] // 8
+                    views = [Entry(v, None, replace(e.info, shape=(n, inp), offset=e.info.offset + r0 * inp * size,
+                                                    nbytes=n * inp * size))
+                             for v, r0, n in split_names(name, experts, rows)]
+                else:
                     continue
-                views = [Entry(v.name, v, None) for v in split_module(e.module)]
-            elif e.module is None:
-                experts, rows, inp = self.comp.tensors[name].shape
-                size = DTYPES[e.info.dtype][0] // 8
-                views = [Entry(v, None, replace(e.info, shape=(n, inp), offset=e.info.offset + r0 * inp * size,
-                                                nbytes=n * inp * size))
-                         for v, r0, n in split_names(name, experts, rows)]
-            else:
+            except ValueError:           # an odd number of gate_up rows: left fused, reported unpaired
                 continue
             if all(v.name in other.entries for v in views):
                 del self.entries[name]

@@ -649,22 +649,25 @@ def _check_source(comp: Component, det: Detection, opts: Options) -> list[QuantM
 
 def _split_experts(comp: Component, m: QuantModule, opts: Options) -> list[QuantModule]:
     """A fused experts module as one module per expert (formats/core/experts.py), the layout the target's
-    loaders read; refused where the model type's fused layout is not the one qconv splits."""
+    loaders read; refused where the model type's fused layout is not the one qconv splits, or the rows
+    do not split."""
     why = why_not_split(comp.config, m)
     step = 1 if m.family == "float" else registered_family(m.family).row_step(m)
-    rows = m.out_features // m.experts
-    if why is None and rows % (2 * step if m.name.endswith("gate_up_proj") else step):
-        why = f"its {rows} rows per expert do not split on its format's {step}-row windows"
+    views = []
+    if why is None:
+        try:
+            views = split_module(m)
+        except ValueError as exc:
+            why = f"{exc}"
+    if why is None and any(v.details["rows_of"][1] % step or v.out_features % step for v in views):
+        why = f"its experts do not start on its format's {step}-row windows"
     if why is not None:
+        rows = m.out_features // m.experts
         raise UnsupportedFormat(f"holds fused MoE experts ({m.experts} experts in one [{m.experts}, {rows}, "
-                                f"{m.in_features}] tensor); {opts.to} stores one Linear per expert, and {why}; "
-                                f"`qconv dequantize` keeps the fused layout", file=comp.tensors[m.weight_tensors[0]].file,
-                                tensor=m.name)
-    try:
-        return split_module(m)
-    except ValueError as exc:
-        raise UnsupportedFormat(f"fused MoE experts cannot be split: {exc}",
-                                file=comp.tensors[m.weight_tensors[0]].file, tensor=m.name) from None
+                                f"{m.in_features}] tensor), which cannot be split into the one Linear per expert "
+                                f"{opts.to} stores: {why}; `qconv dequantize` keeps the fused layout",
+                                file=comp.tensors[m.weight_tensors[0]].file, tensor=m.name)
+    return views
 
 
 def _source_spec(comp, det: Detection, m: QuantModule, src_dtype: str) -> QuantSpec:

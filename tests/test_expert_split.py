@@ -109,3 +109,21 @@ def test_the_split_is_the_same_whatever_the_jobs(tmp_path):
     one, two = sorted((tmp_path / "one").glob("*.safetensors")), sorted((tmp_path / "two").glob("*.safetensors"))
     assert len(one) > 2 and [p.name for p in one] == [p.name for p in two]
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(one, two))
+
+
+def test_an_odd_gate_up_is_refused_not_split(tmp_path):
+    """A fused gate_up_proj with an odd number of rows per expert has no gate half and up half: convert
+    refuses it (exit 5, one line naming it); validate leaves it fused, unpaired, and fails (exit 1)."""
+    run_qconv("dequantize", FUSED, tmp_path / "fused", check=0)
+    path = tmp_path / "fused" / "model.safetensors"
+    tensors = load_file(path)
+    tensors[MOE + ".gate_up_proj"] = tensors[MOE + ".gate_up_proj"][:, :255].contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    one_error(run_qconv("convert", tmp_path / "fused", tmp_path / "out", "--to", "gptq"), 5,
+              "cannot be split", "255 gate_up_proj rows per expert: not a gate half and an up half",
+              MOE + ".gate_up_proj")
+    assert not (tmp_path / "out").exists()
+    run_qconv("dequantize", PER_EXPERT, tmp_path / "per", check=0)
+    report = json.loads(run_qconv("validate", "--json", tmp_path / "fused", tmp_path / "per", check=1).stdout)
+    (comp,) = report["components"]
+    assert MOE + ".gate_up_proj" in comp["only_in_a"] and f"{MOE}.0.gate_proj" in comp["only_in_b"]
