@@ -123,7 +123,7 @@ def activation_cost(src: Component, det: Detection, modules: list[QuantModule], 
             local = [(0, w1 - w0)]
             ys["float"].append(_by_rows(local, in_f, lambda r0, r1: x64 @ target.dequantize_rows(r0, r1).astype(np.float64).T))
             ys["target"].append(_by_rows(local, in_f, lambda r0, r1: int8_token_matmul(x, target, (r0, r1))))
-            if y_source is None or kernel == "float":
+            if kernel == "float":
                 if m.family == "float":
                     def rows_of(r0, r1, w0=w0):
                         return read_float_rows(src, m, (w0 + r0, w0 + r1))

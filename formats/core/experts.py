@@ -37,15 +37,12 @@ def model_type(config: Mapping | None) -> str | None:
 def why_not_split(config: Mapping | None, m: QuantModule | None = None) -> str | None:
     """None where this model's fused experts (module m, where given) split into experts.N.{gate,up,
     down}_proj, else why not."""
-    if m is not None and m.details.get("interleaved"):
+    kind = model_type(config)
+    if kind == "gpt_oss" or (m is not None and m.details.get("interleaved")):
         return ("its gate and up rows are interleaved (gpt-oss' layout), and gpt-oss has no per-expert layout "
                 "that any loader reads (transformers and vLLM build its experts fused)")
-    kind = model_type(config)
     if kind in PER_EXPERT_TYPES:
         return None
-    if kind == "gpt_oss":
-        return ("gpt-oss interleaves gate and up rows and has no per-expert layout that any loader reads "
-                "(transformers and vLLM build its experts fused)")
     return (f"qconv splits fused experts for the model types whose fused layout is transformers' "
             f"[E, 2I, H] gate-then-up (qwen2_moe, qwen3_moe, deepseek_v3, glm4_moe, ...), not "
             f"{kind or 'an unnamed model type'!r}")
