@@ -463,6 +463,22 @@ E2M1_MAX = 6.0
 _TORCH_DTYPES = ("float16", "bfloat16")
 
 
+def _fp4_settings(m: QuantModule, request, target: str, kind: str, group: int, scales: str) -> None:
+    """What an FP4 target written as llm-compressor writes it refuses before any data: every integer or
+    block option (llm-compressor's choice, exit 2), and inputs that are not whole groups (exit 5)."""
+    from ...errors import UsageError
+
+    for option, value in (("--bits", request.bits), ("--group-size", request.group_size),
+                          ("--sym/--asym", request.sym), ("--scale-dtype", request.scale_dtype),
+                          ("--block-size", request.block_size)):
+        if value is not None:
+            raise UsageError(f"{option}: {target} is {kind} as llm-compressor writes it (e2m1 in groups of "
+                             f"{group}, {scales}); it takes no such setting")
+    if m.in_features % group:
+        raise UnsupportedFormat(f"has {m.in_features} input features, not a whole number of {kind} groups of "
+                                f"{group}; {target} cannot hold it", tensor=m.name)
+
+
 def _nvfp4_spec() -> QuantSpec:
     return QuantSpec("e2m1", 4, NVFP4_GROUP, True, codebook=E2M1_BOOK, scale_dtype="F8_E4M3", global_scale="divisor")
 
@@ -474,17 +490,7 @@ def fit_nvfp4(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str |
     float32 reciprocal, the rounding reported); everything else is quantized from its exact weights as
     llm-compressor does (requantize_nvfp4). Every option is llm-compressor's choice: refused. A module
     whose inputs are not whole groups of 16 is refused."""
-    from ...errors import UsageError
-
-    for option, value in (("--bits", request.bits), ("--group-size", request.group_size),
-                          ("--sym/--asym", request.sym), ("--scale-dtype", request.scale_dtype),
-                          ("--block-size", request.block_size)):
-        if value is not None:
-            raise UsageError(f"{option}: {NVFP4_TARGET} is NVFP4 as llm-compressor writes it (e2m1 in groups of "
-                             f"{NVFP4_GROUP}, e4m3 scales, a float32 global scale); it takes no such setting")
-    if m.in_features % NVFP4_GROUP:
-        raise UnsupportedFormat(f"has {m.in_features} input features, not a whole number of NVFP4 groups of "
-                                f"{NVFP4_GROUP}; {NVFP4_TARGET} cannot hold it", tensor=m.name)
+    _fp4_settings(m, request, NVFP4_TARGET, "NVFP4", NVFP4_GROUP, "e4m3 scales, a float32 global scale")
     spec = _nvfp4_spec()
     if src.scheme == "e2m1" and src.global_scale is not None and src.group_size == NVFP4_GROUP:
         return spec, None
@@ -650,17 +656,7 @@ def fit_mxfp4(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str |
     under power-of-two scales alone: compressed-tensors' own, gpt-oss'); everything else is quantized
     from its exact weights as llm-compressor does (requantize_mxfp4). Every option is llm-compressor's
     choice: refused. A module whose inputs are not whole groups of 32 is refused."""
-    from ...errors import UsageError
-
-    for option, value in (("--bits", request.bits), ("--group-size", request.group_size),
-                          ("--sym/--asym", request.sym), ("--scale-dtype", request.scale_dtype),
-                          ("--block-size", request.block_size)):
-        if value is not None:
-            raise UsageError(f"{option}: {MXFP4_TARGET} is MXFP4 as llm-compressor writes it (e2m1 in groups of "
-                             f"{MXFP4_GROUP}, e8m0 scales); it takes no such setting")
-    if m.in_features % MXFP4_GROUP:
-        raise UnsupportedFormat(f"has {m.in_features} input features, not a whole number of MXFP4 groups of "
-                                f"{MXFP4_GROUP}; {MXFP4_TARGET} cannot hold it", tensor=m.name)
+    _fp4_settings(m, request, MXFP4_TARGET, "MXFP4", MXFP4_GROUP, "e8m0 scales")
     spec = _mxfp4_spec()
     if src.scheme == "e2m1" and src.group_size == MXFP4_GROUP and src.global_scale is None and src.scale_dtype == "U8":
         return spec, None
