@@ -38,6 +38,8 @@ __all__ = ["inspect", "convert", "bnb8_to_gptq", "dequantize", "validate",
            "ProgressEvent", "targets", "to_json", "parse_size"]
 
 FLOAT_TARGETS = ("float16", "bfloat16", "float32")
+GGUF_TARGET = "gguf"                         # one llama.cpp GGUF file (convert/to_gguf.py)
+GGUF_ASYM = ("q5_0", "q4_1")
 SCALE_DTYPES = FLOAT_TARGETS
 DEQUANTIZE_DTYPES = ("auto",) + FLOAT_TARGETS
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -54,7 +56,7 @@ def targets() -> tuple[str, ...]:
     """The names ``convert(to=...)`` takes: the format registry's quantized targets, then the float ones."""
     from .formats.core.registry import targets as registered
 
-    return tuple(t.name for t in registered() if not t.internal) + FLOAT_TARGETS
+    return tuple(t.name for t in registered() if not t.internal) + (GGUF_TARGET,) + FLOAT_TARGETS
 
 
 def _what(name: str) -> str:
@@ -147,9 +149,12 @@ class ConvertOptions:
     source: str | None = None              # the only source method accepted (bnb8_to_gptq: "bnb8")
     jobs: int | None = None                # worker processes for the output shards (None: the machine's cores)
     search: bool = True                    # False: integer requantization is round-to-nearest, no search
+    gguf_asym: str = "q5_0"                # gguf: block type of 4-bit asymmetric modules (q5_0 exact, q4_1)
+    gguf_float: bool = False               # gguf: modules whose codes cannot be kept stored as float
 
     def __post_init__(self):
         _choice("to", self.to, targets())
+        _choice("gguf_asym", self.gguf_asym, GGUF_ASYM)
         object.__setattr__(self, "jobs", _jobs(self.jobs))
         _int_in("bits", self.bits, 2, 8)
         if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
@@ -168,7 +173,7 @@ class ConvertOptions:
 
         return Options(self.to, self.bits, self.group_size, self.sym, self.scale_dtype, self.blocksize,
                        self.double_quant, self.quant_storage, block_size=self.block_size, source=self.source,
-                       search=bool(self.search))
+                       search=bool(self.search), gguf_asym=self.gguf_asym.upper(), gguf_float=bool(self.gguf_float))
 
 
 @dataclass(frozen=True)
@@ -238,7 +243,7 @@ class _Result:
 @dataclass(frozen=True)
 class InspectResult(_Result):
     path: str
-    kind: str                              # "model", "pipeline" or "file"
+    kind: str                              # "model", "pipeline", "file" or "gguf" (then data["gguf"])
     components: tuple[Mapping[str, Any], ...] = field(repr=False)
     methods: tuple[str, ...]               # per component: bnb8, gptq, compressed-tensors, unquantized, ...
     warnings: tuple[str, ...]              # "component: warning"
@@ -288,15 +293,17 @@ def _written(cls, data: dict, **extra):
 def inspect(path: str | os.PathLike[str], *, strict: bool = False) -> InspectResult:
     """Describe the checkpoint at ``path`` (model folder, .safetensors file or pipeline folder) from its
     headers and configs alone: method and settings, quantized modules by scheme, parameters per dtype, bytes,
-    bits per weight and warnings. Imports neither torch nor numpy.
+    bits per weight and warnings. A GGUF file is described from its header: ``data["gguf"]``. Imports
+    neither torch nor numpy.
 
     strict: raise ``CheckFailed`` (exit 1, ``err.result`` the report) when any warning is found."""
     opts = InspectOptions(strict=strict)
     from .inspection import inspect_path
 
     data = inspect_path(path)
-    result = InspectResult(data=data, path=data["path"], kind=data["kind"], components=tuple(data["components"]),
-                           methods=tuple(c["method"] for c in data["components"]),
+    components = tuple(data.get("components", ()))          # a GGUF file's report has none: data["gguf"]
+    result = InspectResult(data=data, path=data["path"], kind=data["kind"], components=components,
+                           methods=tuple(c["method"] for c in components),
                            warnings=_component_warnings(data))
     if opts.strict and result.warnings:
         raise CheckFailed(f"{len(result.warnings)} warning(s): {result.warnings[0]}", file=path, result=result)
@@ -320,6 +327,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
             blocksize: int | None = None, double_quant: bool | None = None, quant_storage: str | None = None,
             block_size: tuple[int, int] | str | None = None, validate: bool = False, overwrite: bool = False,
             max_shard_size: int | str = DEFAULT_MAX_SHARD, jobs: int | None = None, search: bool = True,
+            gguf_asym: str = "q5_0", gguf_float: bool = False,
             progress: ProgressCallback | None = None) -> ConvertResult:
     """Rewrite ``src`` as ``to`` (``targets()``: gptq, gptq-v2, auto-round, compressed-tensors,
     compressed-tensors-w8a8, awq, bnb8, bnb4-nf4, bnb4-fp4, float16, bfloat16, float32) at ``dst``, keeping
@@ -331,10 +339,13 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     written). ``dst`` must not exist or be empty unless overwrite=True. max_shard_size: bytes or "5GB".
     jobs: worker processes writing the output shards (None: the machine's cores); the bytes are the same
     whatever it is. search=False: modules requantized to an integer target are plain round-to-nearest
-    (no error-minimising search: several times faster, a larger error, reported as ever)."""
+    (no error-minimising search: several times faster, a larger error, reported as ever). to="gguf" writes
+    ``dst`` as one llama.cpp GGUF file (and its split files past max_shard_size): gguf_asym is the block type
+    of 4-bit asymmetric modules ("q5_0", exact; "q4_1", smaller, its minimum rounded to float16), gguf_float
+    stores modules whose codes cannot be kept as float instead of requantizing them."""
     opts = ConvertOptions(to, bits, group_size, sym, scale_dtype, blocksize, double_quant, quant_storage,
                           block_size=block_size, validate=validate, overwrite=overwrite, max_shard_size=max_shard_size,
-                          jobs=jobs, search=search)
+                          jobs=jobs, search=search, gguf_asym=gguf_asym, gguf_float=gguf_float)
     return _run_convert(src, dst, opts, progress)
 
 

@@ -48,9 +48,10 @@ def inspect_cmd(path: Path, as_json: bool, all_modules: bool, strict: bool) -> i
     """Describe the checkpoint at PATH from its headers and configs alone.
 
     PATH is a model folder (one safetensors file, or shards with an index), a single .safetensors
-    file, or a diffusers-style pipeline folder (model_index.json), whose weight-holding components
-    are each reported under their folder name. Tensor data is never read (but for bitsandbytes'
-    few-byte quant_state and weight_format tensors) and torch is never imported.
+    file, a diffusers-style pipeline folder (model_index.json), whose weight-holding components
+    are each reported under their folder name, or a GGUF file (its header: model, ggml types,
+    tokenizer). Tensor data is never read (but for bitsandbytes' few-byte quant_state and
+    weight_format tensors) and torch is never imported.
     """
     from .inspection import render_text
 
@@ -227,9 +228,15 @@ def _common(fn):
 @click.option("--search/--no-search", default=True, show_default=True,
               help="Integer targets: requantize with the per-group error-minimising search, or plain "
                    "round-to-nearest (several times faster, a larger error; reported either way).")
+@click.option("--gguf-asym", type=click.Choice(api.GGUF_ASYM), default="q5_0", show_default=True,
+              help="gguf: block type of 4-bit asymmetric modules (GPTQ asym, AWQ): q5_0 keeps every code "
+                   "exactly (5.5 bits a weight), q4_1 too but rounds each block's minimum to float16 (5.0).")
+@click.option("--gguf-float", is_flag=True, default=False,
+              help="gguf: store modules whose codes cannot be kept as float (the model's dtype) instead of "
+                   "requantizing them to Q8_0 / Q4_0.")
 @_common
 def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, double_quant, quant_storage,
-                block_size, search, overwrite, max_shard_size, jobs, as_json, validate) -> int:
+                block_size, search, gguf_asym, gguf_float, overwrite, max_shard_size, jobs, as_json, validate) -> int:
     """Rewrite SRC in another format at DST, keeping every integer code where the arithmetic allows
     (bnb8 <-> GPTQ 8-bit per-row symmetric or compressed-tensors W8A8 / W8A16 per channel; GPTQ v1 <-> v2
     <-> auto-round <-> compressed-tensors <-> AWQ where the bits, groups and zero points fit). W8A8 also
@@ -242,7 +249,8 @@ def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, dou
     result = api.convert(src, dst, to=to, bits=bits, group_size=group_size, sym=sym, scale_dtype=scale_dtype,
                          blocksize=int(blocksize) if blocksize else None, double_quant=double_quant,
                          quant_storage=quant_storage, block_size=block_size, validate=validate, overwrite=overwrite,
-                         max_shard_size=max_shard_size, jobs=jobs, search=search, progress=_progress())
+                         max_shard_size=max_shard_size, jobs=jobs, search=search, gguf_asym=gguf_asym,
+                         gguf_float=gguf_float, progress=_progress())
     return _show_convert(result, as_json)
 
 

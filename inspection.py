@@ -1,4 +1,5 @@
-"""`qconv inspect`: what a checkpoint holds, from headers and configs alone.
+"""`qconv inspect`: what a checkpoint holds, from headers and configs alone (safetensors folders and
+files, and GGUF files, whose header formats/gguf/header.py reads).
 
 Imports neither torch nor numpy. The only tensor bytes read are bitsandbytes' tiny metadata tensors
 (the quant_state JSON of each 4-bit module and the weight_format byte of each int8 module).
@@ -14,9 +15,12 @@ from .formats.storage.checkpoint import Component, open_target
 from .formats.core.detect import DECODED_METHODS, METHOD_NAMES, detect
 from .formats.core.layout import examples as _examples, module_of, natural_key
 from .formats.core.registry import dialects_for, families
+from .formats.gguf.header import looks_like_gguf, read_header as read_gguf_header, summary as gguf_summary
 
 
 def inspect_path(path: str | Path) -> dict:
+    if looks_like_gguf(path):
+        return {"path": str(path), "kind": "gguf", "gguf": gguf_summary(read_gguf_header(path))}
     target = open_target(path)
     return {"path": str(path), "kind": target.kind,
             "components": [inspect_component(c) for c in target.components]}
@@ -209,6 +213,8 @@ _HEADLINE_KEYS = {"component", "method", "parameter_dtypes", "tensor_dtypes", "q
 def render_text(result: dict, *, all_modules: bool = False) -> str:
     from tabulate import tabulate
 
+    if result["kind"] == "gguf":
+        return render_gguf(result)
     blocks = []
     for r in result["components"]:
         lines = [f"{r['component']}: {r['method']}",
@@ -236,6 +242,53 @@ def render_text(result: dict, *, all_modules: bool = False) -> str:
             lines += ["", f"  warnings ({len(r['warnings'])}):"] + [f"  ! {w}" for w in r["warnings"]]
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+def render_gguf(result: dict) -> str:
+    """A GGUF file's report (inspect_path's "gguf" summary) as text: the model line, the totals, bytes by
+    ggml type, the tokenizer, the architecture's hyperparameters."""
+    from tabulate import tabulate
+
+    g = result["gguf"]
+    model = " ".join(str(v) for v in (g["architecture"], repr(g["name"]) if g["name"] else None) if v)
+    lines = [f"{Path(result['path']).name}: GGUF v{g['version']}" + (f", {model}" if model else "")
+             + (f", file type {g['file_type']}" if g["file_type"] else ""),
+             f"  {_human_bytes(g['file_size'])} on disk, {g['tensors']} tensors, "
+             f"{_human_count(g['parameters'])} parameters"
+             + (f", {g['bits_per_weight']} bits/weight overall, {g['quantized_share']:.1%} of parameters in "
+                f"quantized blocks" if g["parameters"] else "")
+             + f", {g['metadata_keys']} metadata keys"]
+    if "split" in g:
+        s = g["split"]
+        no = s["no"] + 1 if isinstance(s["no"], int) else s["no"]          # split.no counts from 0
+        lines.append(f"  split {no} of {s['count']}" + (f" ({s['tensors']} tensors in all)" if s["tensors"] else ""))
+    if g["types"]:
+        rows = [(t, r["tensors"], f"{r['parameters']:,}", f"{r['bytes']:,}", r["bits_per_weight"])
+                for t, r in g["types"].items()]
+        lines += ["", _indent(tabulate(rows, headers=["ggml type", "tensors", "parameters", "bytes", "bits/weight"],
+                                       colalign=("left", "right", "right", "right", "right")))]
+    tok = g.get("tokenizer")
+    if tok:
+        parts = [f"{tok['tokens']:,} tokens" if tok["tokens"] is not None else None,
+                 f"{tok['merges']:,} merges" if tok["merges"] is not None else None,
+                 f"bos {tok['bos_token_id']}" if tok["bos_token_id"] is not None else None,
+                 f"eos {tok['eos_token_id']}" if tok["eos_token_id"] is not None else None,
+                 "chat template" if tok["chat_template"] else "no chat template"]
+        lines += ["", f"  tokenizer: {tok['model']}" + (f" (pre {tok['pre']})" if tok["pre"] else "")
+                  + ", " + ", ".join(p for p in parts if p)]
+    if g.get("hparams"):
+        rows = [(k, _gguf_value(v)) for k, v in g["hparams"].items()]
+        lines += ["", _indent(tabulate(rows, headers=["hyperparameter", "value"], disable_numparse=True))]
+    return "\n".join(lines)
+
+
+def _gguf_value(value) -> str:
+    """A metadata value for the table: arrays comma-joined, an elided one as its type, count and head."""
+    if isinstance(value, dict) and "count" in value:
+        return f"{value['type']} of {value['count']:,}: {', '.join(map(str, value['head']))}, ..."
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
+    return str(value)
 
 
 def _setting_text(value) -> str:

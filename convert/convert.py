@@ -67,6 +67,8 @@ class Options:
     block_size: tuple[int, int] | None = None   # FP8 targets' 2-D block (None: the source's, else 128 x 128)
     source: str | None = None           # the only source method accepted (bnb8-to-gptq: "bnb8")
     search: bool = True                 # False: integer requantization is plain round-to-nearest (--no-search)
+    gguf_asym: str = "Q5_0"             # --to gguf: the block type of 4-bit asymmetric modules (Q5_0 or Q4_1)
+    gguf_float: bool = False            # --to gguf: modules whose codes cannot be kept stored as float
 
 
 @dataclass
@@ -637,7 +639,7 @@ def _check_source(comp: Component, det: Detection, opts: Options) -> list[QuantM
                                 f"only {METHOD_NAMES[opts.source]} checkpoints (use `qconv convert --to "
                                 f"{opts.to}` for other sources)", file=where)
     if det.modules or opts.to in FLOAT_TARGETS:
-        if opts.to in FLOAT_TARGETS or registered_target(opts.to).caps.fused_experts:
+        if opts.to in FLOAT_TARGETS + ("gguf",) or registered_target(opts.to).caps.fused_experts:
             return list(det.modules)
         return [v for m in det.modules for v in (_split_experts(comp, m, opts) if m.experts else [m])]
     modules = _data_free_modules(comp, opts)
@@ -747,6 +749,9 @@ def check_results(written, *, samples: int = 32, seed: int = 0) -> list[dict]:
 
 def convert(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
             max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False, jobs: int = 1) -> dict:
+    if opts.to == "gguf":                       # one file, not a folder: its own writer (to_gguf.py)
+        from .to_gguf import convert_to_gguf
+        return convert_to_gguf(src, dst, opts, overwrite=overwrite, max_shard_size=max_shard_size, validate=validate)
     if opts.to not in TARGETS:
         raise ValueError(opts.to)
     return run(src, dst, lambda comp, out: convert_component(comp, out, opts, max_shard_size, jobs),

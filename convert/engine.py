@@ -213,14 +213,16 @@ def write_shard(out_dir: Path, shard, by_name: dict, written: Callable[[int], No
 
 def write_component(comp: Component, out_dir: Path, tensors: list[OutTensor], config: dict | None,
                     max_shard: int, label: str, *, jobs: int = 1, replan: Replan | None = None,
-                    state=None) -> dict:
+                    state=None, base: str | None = None) -> dict:
     """Write the planned tensors as shards (in worker processes where jobs > 1, there is more than one
     shard and ``replan`` says how a worker rebuilds this plan: parallel.py), then the index, config.json
-    and the other files of the source folder."""
+    and the other files of the source folder. comp None (a GGUF source): no source folder, base names
+    the shards."""
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         raise AssertionError("duplicate output tensor names")
-    shards = plan_shards([(t.name, t.dtype, t.shape) for t in tensors], max_shard, weights_base(comp))
+    base = base or weights_base(comp)            # a GGUF source names no safetensors file: "model"
+    shards = plan_shards([(t.name, t.dtype, t.shape) for t in tensors], max_shard, base)
     by_name = {t.name: t for t in tensors}
     progress = Progress(sum(s.data_bytes for s in shards), label)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -242,10 +244,11 @@ def write_component(comp: Component, out_dir: Path, tensors: list[OutTensor], co
         progress.close()
     index = index_json(shards)
     if index is not None:
-        (out_dir / f"{weights_base(comp)}.safetensors.index.json").write_text(index)
+        (out_dir / f"{base}.safetensors.index.json").write_text(index)
     if config is not None:
         (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    carried = plan_other_files(comp.path, comp.root) if comp.path.is_dir() else CopyPlan([], [], [])
+    carried = plan_other_files(comp.path, comp.root) if comp is not None and comp.path.is_dir() \
+        else CopyPlan([], [], [])
     carry(carried, out_dir)
     return {"shards": [s.filename for s in shards], "tensors": len(tensors), "bytes_written": written,
             "copied": [rel for _, rel in carried.files], "left_out": carried.left_out}

@@ -239,14 +239,42 @@ def _publish(tmp: Path, dst: Path, shown: Path, *, overwrite: bool) -> None:
         raise
 
 
+def _check_existing_file(dst: Path, *, overwrite: bool) -> None:
+    if os.path.lexists(dst):
+        if dst.is_dir() or dst.is_symlink():
+            raise OutputError("exists and is a folder or a link, not a file", file=dst)
+        if not overwrite:
+            raise OutputError("exists; pass --overwrite to replace it", file=dst)
+
+
+def _publish_files(tmp: Path, dst: Path, shown: Path, *, overwrite: bool) -> None:
+    """Move each file of tmp beside DST (DST itself, or its split files): without --overwrite by a hard
+    link that fails where a file of that name appeared meanwhile, so nothing is replaced."""
+    names = sorted(os.listdir(tmp))
+    for name in names:
+        _check_existing_file(dst.parent / name, overwrite=overwrite)
+    for name in names:
+        if overwrite:
+            os.replace(tmp / name, dst.parent / name)
+            continue
+        try:
+            os.link(tmp / name, dst.parent / name)
+        except FileExistsError:
+            raise OutputError("was created by someone else while qconv ran; left as it is", file=dst.parent / name) \
+                from None
+        os.unlink(tmp / name)
+    _remove(tmp)
+
+
 @contextmanager
-def staged_output(src: Path, dst: Path, *, overwrite: bool):
-    """Yields the temporary folder to fill; on success it becomes DST."""
+def staged_output(src: Path, dst: Path, *, overwrite: bool, files: bool = False):
+    """Yields the temporary folder to fill; on success it becomes DST. files: DST is a file (a GGUF):
+    what the folder holds is moved beside DST instead, DST and its split files."""
     shown = dst                              # messages name DST as the user wrote it
     _check_not_source(src, dst, overwrite=overwrite)
     dst = dst.absolute()
     remove_stale(dst)
-    _check_existing(shown, overwrite=overwrite)
+    (_check_existing_file if files else _check_existing)(shown, overwrite=overwrite)
     created: list[Path] = []
     tmp = dst.parent / f".{dst.name}.qconv-tmp-{os.getpid()}"
     lock = None
@@ -263,7 +291,7 @@ def staged_output(src: Path, dst: Path, *, overwrite: bool):
         yield tmp
         test_hook("before-publish")
         with _signals_held():
-            _publish(tmp, dst, shown, overwrite=overwrite)
+            (_publish_files if files else _publish)(tmp, dst, shown, overwrite=overwrite)
     except BaseException as exc:
         with _signals_held():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,112 @@
+"""`qconv dequantize model.gguf DST`: a llama.cpp GGUF file as a Hugging Face folder that plain
+transformers loads: config.json rebuilt from the metadata (formats/gguf/arch.py, the inverse of what
+llama.cpp's converter writes), every tensor decoded by llama.cpp's own reference decoder (gguf-py's
+``quants.dequantize``: every ggml type it knows, K-quants and IQ types included), llama's q / k rows put
+back in Hugging Face order, and the tokenizer files rebuilt where the metadata carries a byte-level BPE.
+
+The header is read and checked first with qconv's bounded reader (formats/gguf/header.py: offsets,
+sizes, types, overlaps), and each tensor's bytes are then read on their own, so a hostile file is refused
+before anything is decoded, and memory is bounded by the largest tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import CorruptCheckpoint, UnsupportedFormat
+from ..formats.gguf import arch as garch
+from ..formats.gguf import codec
+from ..formats.gguf.header import GGUFHeader, read_header
+from ..formats.storage.safetensors_header import open_regular
+from ..formats.storage.tensor_io import FLOAT_CODES, encode_float
+from .engine import DEFAULT_MAX_SHARD, OutTensor, write_component
+from .staging import staged_output
+
+_MODEL_DTYPES = {"F16": "float16", "BF16": "bfloat16"}
+
+
+def full_metadata(path: Path, header: GGUFHeader) -> dict:
+    """Every metadata value in full (the header reader keeps long arrays as a summary): read with
+    gguf-py's reader once qconv's has checked the file."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        out[key] = value
+    return out
+
+
+def _decoded(path: Path, t, hf_name: str, config: dict, code: str, permute: bool):
+    import gguf
+
+    shape = tuple(reversed(t.shape))                  # numpy order: [out, in]
+    heads = garch.heads_of(config, hf_name) if permute else None
+
+    def chunks():
+        with open_regular(path) as f:
+            f.seek(t.offset)
+            raw = f.read(t.nbytes)
+        if len(raw) != t.nbytes:
+            raise CorruptCheckpoint("file ended while reading the tensor: truncated", file=path, tensor=t.name)
+        data = np.frombuffer(raw, np.uint8)
+        qtype = gguf.GGMLQuantizationType(t.type)
+        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16):
+            w = gguf.quants.dequantize(data.view({0: np.float32, 1: np.float16, 30: np.uint8}[t.type])
+                                       if t.type != 30 else data, qtype)
+        else:
+            w = gguf.quants.dequantize(data.reshape(-1, t.nbytes // max(1, int(np.prod(shape[:-1])))), qtype)
+        w = np.asarray(w, np.float32).reshape(shape)
+        if not np.all(np.isfinite(w)):
+            raise CorruptCheckpoint("decodes to non-finite weights (NaN or infinity)", file=path, tensor=t.name)
+        if heads:
+            w = codec.unpermute_rows(w, heads)
+        yield encode_float(np.ascontiguousarray(w), code)
+
+    return OutTensor(hf_name, code, shape, chunks)
+
+
+def dequantize_gguf(src: Path, dst: Path, *, dtype: str | None = None, overwrite: bool = False,
+                    max_shard_size: int = DEFAULT_MAX_SHARD) -> dict:
+    import time
+
+    src, dst = Path(src), Path(dst)
+    t0 = time.monotonic()
+    header = read_header(src)
+    if int(header.metadata.get("split.count", 1) or 1) > 1:
+        raise UnsupportedFormat("is one of a split GGUF's files, which qconv does not read yet (merge it with "
+                                "llama-gguf-split --merge first)", file=src)
+    meta = full_metadata(src, header)
+    config = garch.config_from(meta, src)
+    arch = garch.ARCHS[config["model_type"]]
+    names = {}
+    for hf in garch.hf_tensor_names(config):
+        names[garch.gguf_name(hf, arch, config["num_hidden_layers"], src)] = hf
+    tensors = []
+    types = {t.type_name for t in header.tensors}
+    model_dtype = dtype or next((_MODEL_DTYPES[t] for t in ("BF16", "F16") if t in types), "float16")
+    code = FLOAT_CODES[model_dtype]
+    for t in header.tensors:
+        if t.name not in names:
+            raise UnsupportedFormat(f"has no Hugging Face name in qconv's {arch.name} mapping; nothing written",
+                                    file=src, tensor=t.name)
+        tensors.append(_decoded(src, t, names[t.name], config, code, arch.permute_qk))
+    if "lm_head.weight" not in {t.name for t in tensors}:
+        config["tie_word_embeddings"] = True
+    config["dtype"] = model_dtype
+    files = garch.tokenizer_files(meta, src)
+    with staged_output(src, dst, overwrite=overwrite) as tmp:
+        written = write_component(None, tmp, tensors, config, max_shard_size, f"dequantizing {src.name}", base="model")
+        for name, doc in files.items():
+            (tmp / name).write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+    report = {"component": src.name, "method": "GGUF", "dtype": model_dtype, "dequantized_modules":
+              sum(1 for t in header.tensors if t.type_name not in ("F32", "F16", "BF16")), **written,
+              "copied": sorted(files), "ggml_types": sorted(types), "warnings": []}
+    return {"source": str(src), "destination": str(dst), "seconds": round(time.monotonic() - t0, 3),
+            "components": [report]}

@@ -1,0 +1,340 @@
+"""`qconv convert SRC out.gguf --to gguf`: a Hugging Face folder as one llama.cpp GGUF file (or its
+split files past --max-shard-size), keeping each quantized module's codes in GGUF's legacy blocks where
+the arithmetic allows (formats/gguf/codec.py has the table) and requantizing the rest from their exact
+weights, with the error reported per layer as every convert does.
+
+The plan is made from headers and configs alone (every tensor's name, GGUF type and size: GGUF's header
+comes first), then each module is read, encoded and written one at a time, so memory is bounded by one
+module; float tensors are copied slab by slab. The file is written into a temporary folder beside DST
+and moved to DST only when it is complete (staging.staged_output(files=True)).
+
+Float tensors are stored as llama.cpp's converter stores them by default: 1-D (norms) as F32, 2-D
+(embeddings, lm_head) in the model's own 16-bit dtype, so nothing outside the quantized Linears changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..errors import CorruptCheckpoint, UnsupportedFormat, UsageError
+from ..formats.core.layout import QuantModule, natural_key
+from ..formats.core.reader import model_dtype, read_module, require_decodable
+from ..formats.gguf import arch as garch
+from ..formats.gguf import codec
+from ..formats.storage.checkpoint import Component, open_target
+from ..formats.storage.tensor_io import FLOAT_CODES, encode_float, read_array
+from .convert import Options, Stats, Tally, _check_source, _exact_weights, _read_float, _source_spec
+from .engine import DEFAULT_MAX_SHARD, plain_chunks
+from .requantize import requantize
+from .staging import staged_output
+
+_FLOAT_GGML = {"F16": (np.float16, "F16"), "F32": (np.float32, "F32"), "BF16": (np.uint16, "BF16")}
+
+
+@dataclass
+class _Out:
+    name: str                        # GGUF tensor name
+    type_name: str                   # GGML type
+    shape: tuple                     # numpy shape of what is written (quantized: [rows, row bytes])
+    dtype: type
+    nbytes: int
+    chunks: Callable                 # () -> arrays, in order
+    source: str                      # the Hugging Face tensor or module
+    kept: bool | None = None         # quantized modules: codes kept (None: a float tensor)
+
+
+def _g_idx(comp: Component, m: QuantModule):
+    """The module's g_idx where it stores one (GPTQ, compressed-tensors' act-order): which 32-blocks lie in
+    one group depends on it. Small ([in] integers), read at plan time."""
+    for leaf in (".g_idx", ".weight_g_idx"):
+        info = comp.tensors.get(m.name + leaf)
+        if info is not None:
+            g = np.asarray(read_array(info)).astype(np.int64).reshape(-1)
+            if g.size != m.in_features:
+                raise CorruptCheckpoint(f"holds {g.size} entries for {m.in_features} input features", file=info.file,
+                                        tensor=info.name)
+            return g
+    return None
+
+
+def _module_out(comp, det, m: QuantModule, opts: Options, arch, n_blocks: int, src_dtype: str,
+                tally: Tally) -> _Out:
+    where = comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else comp.path
+    name = garch.gguf_name(m.name + ".weight", arch, n_blocks, where)
+    src_spec = _source_spec(comp, det, m, src_dtype)
+    if m.family == "float":
+        if m.in_features % codec.QK:
+            raise UnsupportedFormat(f"{m.in_features} input features are not a multiple of GGUF's 32-weight "
+                                    f"blocks; use --gguf-float to keep it float", file=where, tensor=m.name)
+        type_name = "Q4_0" if opts.bits == 4 else "Q8_0"
+        reason = f"{src_spec.name} weights quantized data-free (no calibration data)"
+    else:
+        type_name, reason = codec.gguf_type(src_spec, m.in_features, opts.gguf_asym, _g_idx(comp, m))
+        if type_name is None and not opts.gguf_float:
+            raise UnsupportedFormat(f"{reason}: no GGUF block type holds it; use --gguf-float to store it as "
+                                    f"float", file=where, tensor=m.name)
+        if type_name and opts.bits is not None and codec.requant_settings(type_name)[0] != opts.bits and type_name != "MXFP4":
+            type_name = "Q4_0" if opts.bits == 4 else "Q8_0"
+            reason = reason or f"{src_spec.bits}-bit codes become {opts.bits}-bit (--bits {opts.bits})"
+    heads = garch.heads_of(comp.config, m.name + ".weight") if arch.permute_qk else None
+    if opts.gguf_float and reason:                    # stored as float, in the model's dtype
+        return _dequantized_out(comp, det, m, name, src_dtype, heads)
+    out, inp = m.out_features, m.in_features
+    row = codec.row_bytes(type_name, inp)
+
+    def chunks():
+        st = Stats(modules=1)
+        source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
+        qt, lossy = source, reason
+        blocks = None
+        if not lossy:
+            try:
+                blocks, exact = codec.encode(source, type_name)
+                stored = codec.stored_scales(blocks, type_name)
+                if not np.all(np.isfinite(stored)) or np.any((stored == 0) & (exact != 0)):
+                    lossy = "scales do not fit float16 (they would be infinite or 0)"
+                else:
+                    st.scale_rounding(exact, stored)
+            except ValueError as exc:
+                lossy = f"its codes do not fit {type_name} ({exc})"
+        if lossy:
+            w = _exact_weights(comp, m, source)
+            bits, sym = codec.requant_settings(type_name)
+            qt, err = requantize(w, bits, codec.QK, sym, "F16", source.dtype, search=opts.search)
+            st.requantized(m.name, lossy, source.spec.name, type_name, err)
+            blocks, _ = codec.encode(qt, type_name)
+        if heads:
+            blocks = codec.permute_rows(blocks, heads)
+        tally.add(m.name, st)
+        yield blocks
+
+    return _Out(name, type_name, (out, row), np.uint8, out * row, chunks, m.name, kept=not reason)
+
+
+def _dequantized_out(comp, det, m: QuantModule, name: str, src_dtype: str, heads: int | None) -> _Out:
+    """A module whose codes cannot be kept, stored (--gguf-float) as its exact weights in the model's
+    dtype: the float model qconv dequantize writes, one module at a time."""
+    code = FLOAT_CODES[src_dtype]
+    np_dtype, type_name = _FLOAT_GGML[code]
+
+    def chunks():
+        source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
+        rows = encode_float(_exact_weights(comp, m, source), code)
+        yield codec.permute_rows(rows, heads) if heads else rows
+
+    n = m.out_features * m.in_features
+    return _Out(name, type_name, (m.out_features, m.in_features), np_dtype, n * np.dtype(np_dtype).itemsize, chunks,
+                m.name, kept=None)
+
+
+def _float_out(comp: Component, info, arch, n_blocks: int, where) -> _Out | None:
+    name = garch.gguf_name(info.name, arch, n_blocks, where)
+    if name is None:
+        return None
+    if info.dtype not in _FLOAT_GGML:
+        raise UnsupportedFormat(f"is {info.dtype}, which qconv does not write to GGUF as it is", file=info.file,
+                                tensor=info.name)
+    code = "F32" if len(info.shape) == 1 else info.dtype
+    np_dtype, type_name = _FLOAT_GGML[code]
+    heads = garch.heads_of(comp.config, info.name) if arch.permute_qk else None
+    n = int(np.prod(info.shape, dtype=np.int64))
+
+    def chunks():
+        if heads:                                     # a float q / k: its rows permuted as a whole
+            data = np.concatenate([c.reshape(-1, info.shape[-1]) for c in plain_chunks(info, code)])
+            yield codec.permute_rows(data, heads).view(np_dtype)
+            return
+        for c in plain_chunks(info, code):
+            yield np.ascontiguousarray(c).view(np_dtype)
+
+    return _Out(name, type_name, tuple(info.shape), np_dtype, n * np.dtype(np_dtype).itemsize, chunks, info.name)
+
+
+def plan(comp: Component, opts: Options, tally: Tally) -> tuple[object, list[_Out], list]:
+    det = require_decodable(comp)
+    where = comp.files[0] if comp.files else comp.path
+    arch = garch.arch_of(comp.config, comp.path)
+    if any(m.experts for m in det.modules):
+        raise UnsupportedFormat("holds fused MoE experts, which qconv does not yet write to GGUF; nothing written",
+                                file=where)
+    modules = _check_source(comp, det, opts)
+    n_blocks = int(comp.config["num_hidden_layers"])
+    src_dtype = model_dtype(comp, det)
+    outs, claimed = [], set(det.claimed_tensors)
+    for m in modules:
+        claimed.update(m.weight_tensors)
+        outs.append(_module_out(comp, det, m, opts, arch, n_blocks, src_dtype, tally))
+    for name, info in sorted(comp.tensors.items(), key=lambda kv: natural_key(kv[0])):
+        if name not in claimed:
+            o = _float_out(comp, info, arch, n_blocks, info.file)
+            if o is not None:
+                outs.append(o)
+    outs.sort(key=lambda o: natural_key(o.source))
+    return det, outs, garch.hparams(comp.config, arch, comp.path) + garch.tokenizer(comp.path, comp.config, comp.root)
+
+
+def _file_type(outs: list[_Out]) -> int:
+    weights = {}
+    for o in outs:
+        if o.kept is not None:
+            weights[o.type_name] = weights.get(o.type_name, 0) + o.nbytes
+    top = max(sorted(weights), key=weights.get) if weights else "F16"
+    return codec.FTYPE[top]
+
+
+def _add(writer, key: str, kind: str, value) -> None:
+    import gguf
+
+    if kind == "str":
+        writer.add_string(key, value)
+    elif kind == "u32":
+        writer.add_uint32(key, value)
+    elif kind == "f32":
+        writer.add_float32(key, value)
+    elif kind == "bool":
+        writer.add_bool(key, value)
+    elif kind == "str[]":
+        writer.add_array(key, value)
+    elif kind == "i32[]":
+        writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+    else:
+        raise AssertionError(kind)
+
+
+def write(comp: Component, path: Path, opts: Options, max_shard: int) -> dict:
+    import gguf
+
+    tally = Tally()
+    det, outs, kv = plan(comp, opts, tally)
+    arch = garch.arch_of(comp.config, comp.path)
+    split = max_shard if sum(o.nbytes for o in outs) > max_shard else 0     # gguf-py warns of a split it skips
+    writer = gguf.GGUFWriter(path, arch.name, split_max_size=split)
+    for key, kind, value in kv:
+        _add(writer, key, kind, value)
+    writer.add_string("general.name", comp.path.name)
+    writer.add_uint32("general.file_type", _file_type(outs))
+    writer.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
+    writer.add_string("general.quantized_by", "qconv")
+    for o in outs:
+        raw = getattr(gguf.GGMLQuantizationType, o.type_name)
+        if o.type_name in codec.TYPES:
+            writer.add_tensor_info(o.name, o.shape, np.dtype(np.uint8), o.nbytes, raw_dtype=raw)
+        elif o.type_name == "BF16":
+            writer.add_tensor_info(o.name, o.shape, np.dtype(np.uint16), o.nbytes, raw_dtype=raw)
+        else:
+            writer.add_tensor_info(o.name, o.shape, np.dtype(o.dtype), o.nbytes)
+    shards = [list(t) for t in writer.tensors]        # tensor names per file, in write order
+    files = writer.format_shard_names(path)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    by_name = {o.name: o for o in outs}
+    written = 0
+    for fout, names in zip(writer.fout, shards):
+        for name in names:
+            o = by_name[name]
+            writer.write_padding(fout, fout.tell())
+            n = 0
+            for chunk in o.chunks():
+                b = np.ascontiguousarray(chunk)
+                fout.write(b.tobytes() if b.ndim == 0 else memoryview(b).cast("B"))
+                n += b.nbytes
+            if n != o.nbytes:
+                raise AssertionError(f"{name}: wrote {n} bytes, planned {o.nbytes}")
+            writer.write_padding(fout, n)
+            written += n
+    writer.close()
+    summary = tally.summary()
+    tensors = [{"tensor": o.name, "source": o.source, "type": o.type_name,
+                "codes": None if o.kept is None else ("kept" if o.source not in
+                                                     {r["module"] for r in summary["layers"]} else "requantized")}
+               for o in outs]
+    by_type: dict[str, int] = {}
+    for o in outs:
+        by_type[o.type_name] = by_type.get(o.type_name, 0) + 1
+    return {"component": comp.name, "from": det.method, "to": "gguf", "search": opts.search, **summary,
+            "gguf_types": dict(sorted(by_type.items())), "gguf_tensors": tensors,
+            "shards": [f.name for f in files], "tensors": len(outs), "bytes_written": written,
+            "warnings": list(det.warnings)}
+
+
+def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
+                    max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False) -> dict:
+    import time
+
+    src, dst = Path(src), Path(dst)
+    if dst.suffix != ".gguf":
+        raise UsageError("--to gguf writes one .gguf file: give DST a name ending in .gguf", file=dst)
+    target = open_target(src)
+    if target.kind != "model" or len(target.components) != 1:
+        raise UnsupportedFormat("--to gguf converts one model folder (a pipeline's language model: give its "
+                                "folder)", file=src)
+    comp = target.components[0]
+    t0 = time.monotonic()
+    with staged_output(src, dst, overwrite=overwrite, files=True) as tmp:
+        report = write(comp, tmp / dst.name, opts, max_shard_size)
+        if validate:                                  # before the move: a result that fails never reaches DST
+            report["validation"] = check(comp, [tmp / f for f in report["shards"]], report, dst)
+    return {"source": str(src), "destination": str(dst), "seconds": round(time.monotonic() - t0, 3),
+            "components": [report]}
+
+
+def check(comp: Component, files: list[Path], report: dict, shown: Path) -> dict:
+    """convert --validate for GGUF: every tensor read back with llama.cpp's own reader and decoder
+    (gguf-py's GGUFReader and quants.dequantize), q / k rows put back in Hugging Face order, against the
+    source: a module whose codes were kept must equal the source's dequantization up to the float16
+    rounding of its scales (|W_gguf - W| <= max_scale_rel_error |W| per weight, as reported); a
+    requantized one must have the error convert reported; a float tensor must equal the source's
+    values. Raises ValidationFailed, naming the first tensor that does not."""
+    import gguf
+
+    from ..errors import ValidationFailed
+    from ..formats.storage.tensor_io import to_float32
+
+    det = require_decodable(comp)
+    src_dtype = model_dtype(comp, det)
+    modules = {m.name: m for m in _check_source(comp, det, Options("gguf"))}
+    stored = {}
+    for f in files:
+        for t in gguf.GGUFReader(f).tensors:
+            stored[t.name] = t
+    errors = {r["module"]: r["rel_frobenius"] for r in report["layers"]}
+    bound = report["max_scale_rel_error"]
+    checked = 0
+    for entry in report["gguf_tensors"]:
+        t = stored.get(entry["tensor"])
+        if t is None:
+            raise ValidationFailed(f"validation failed, nothing written: tensor {entry['tensor']!r} is missing",
+                                   file=shown)
+        got = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        heads = garch.heads_of(comp.config, entry["source"] + ("" if entry["source"] in comp.tensors else ".weight"))
+        m = modules.get(entry["source"])
+        if m is not None:
+            source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
+            ref = _exact_weights(comp, m, source)
+        else:
+            info = comp.tensors[entry["source"]]
+            ref = to_float32(read_array(info), info.dtype)
+        got = got.reshape(ref.shape)
+        if heads and garch.ARCHS[comp.config["model_type"]].permute_qk:
+            got = codec.unpermute_rows(got, heads)
+        diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
+        if entry["codes"] == "requantized":
+            norm = float(np.linalg.norm(ref.astype(np.float64)))
+            rel = float(np.linalg.norm(diff)) / norm if norm else 0.0
+            ok = rel <= errors[entry["source"]] * (1 + 1e-5) + 1e-6      # the report rounds to 6 places
+            why = f"relative error {rel:.3g}, convert reported {errors[entry['source']]:.3g}"
+        else:
+            tol = (bound + 2.0 ** -21) * np.abs(ref.astype(np.float64)) + 2.0 ** -25 if entry["codes"] == "kept" else 0
+            ok = bool(np.all(diff <= tol))
+            why = f"largest difference {float(diff.max(initial=0)):.3g}"
+        if not ok:
+            raise ValidationFailed(f"validation failed, nothing written: {entry['tensor']} ({entry['source']}) does not "
+                                   f"read back as the source: {why}", file=shown)
+        checked += 1
+    return {"ok": True, "layers": checked, "device": "cpu", "reader": f"gguf-py {gguf.__version__}"
+            if hasattr(gguf, "__version__") else "gguf-py"}

@@ -1,0 +1,302 @@
+"""What llama.cpp needs besides the weights: the architecture's hyperparameters, the tensor names, the
+rotary row order of q / k, and the tokenizer, each as llama.cpp's own converter writes them
+(convert_hf_to_gguf.py: TextModel.set_gguf_parameters, LlamaModel, get_vocab_base, gguf.SpecialVocab).
+
+An architecture is one entry of ARCHS; a model type not there is refused by name, never written half
+right. Everything here reads configs and the tokenizer's JSON only (no tensor data).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from ...errors import UnsupportedFormat
+from ..storage.checkpoint import load_json
+
+# llama.cpp's token types (gguf.TokenType)
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str                      # gguf's architecture name (general.architecture)
+    permute_qk: bool               # llama's q / k rows reordered for llama.cpp's rotary layout
+
+
+ARCHS = {"llama": Arch("llama", permute_qk=True)}
+
+# tokenizer.json pre-tokenizer regexes -> llama.cpp's pre-tokenizer names (llama-vocab.cpp), for the
+# tokenizers whose regex says which it is; ByteLevel's own regex is GPT-2's.
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_PRE_BY_REGEX = {
+    _GPT2_REGEX: "gpt-2",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
+        "llama-bpe",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
+        "qwen2",
+}
+
+
+def arch_of(config: Mapping | None, where) -> Arch:
+    mt = (config or {}).get("model_type")
+    if mt not in ARCHS:
+        raise UnsupportedFormat(f"model_type {mt!r} has no GGUF mapping in qconv (mapped: {', '.join(sorted(ARCHS))}); "
+                                f"nothing written", file=where)
+    return ARCHS[mt]
+
+
+def _rope_theta(config: Mapping, where) -> float:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in (None, "default"):
+        raise UnsupportedFormat(f"rope type {kind!r} is not mapped to GGUF by qconv (default rope only); "
+                                f"nothing written", file=where)
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    return float(theta)
+
+
+def hparams(config: Mapping, arch: Arch, where) -> list[tuple[str, str, object]]:
+    """(gguf key, value type, value) for the architecture's hyperparameters."""
+    a = arch.name
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    kv = [
+        (f"{a}.context_length", "u32", int(config.get("max_position_embeddings", 2048))),
+        (f"{a}.embedding_length", "u32", int(config["hidden_size"])),
+        (f"{a}.block_count", "u32", int(config["num_hidden_layers"])),
+        (f"{a}.feed_forward_length", "u32", int(config["intermediate_size"])),
+        (f"{a}.attention.head_count", "u32", heads),
+        (f"{a}.attention.head_count_kv", "u32", int(config.get("num_key_value_heads") or heads)),
+        (f"{a}.rope.freq_base", "f32", _rope_theta(config, where)),
+        (f"{a}.attention.layer_norm_rms_epsilon", "f32", float(config.get("rms_norm_eps", 1e-5))),
+        (f"{a}.vocab_size", "u32", int(config["vocab_size"])),
+        (f"{a}.rope.dimension_count", "u32", head_dim),
+    ]
+    if head_dim != int(config["hidden_size"]) // heads:
+        kv += [(f"{a}.attention.key_length", "u32", head_dim), (f"{a}.attention.value_length", "u32", head_dim)]
+    return kv
+
+
+def heads_of(config: Mapping, hf_name: str) -> int | None:
+    """The head count llama.cpp's permutation of this tensor's rows uses (None: not q / k)."""
+    if hf_name.endswith("self_attn.q_proj.weight"):
+        return int(config["num_attention_heads"])
+    if hf_name.endswith("self_attn.k_proj.weight"):
+        return int(config.get("num_key_value_heads") or config["num_attention_heads"])
+    return None
+
+
+def _pre_name(tok: Mapping, where) -> str:
+    pre = tok.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    for step in steps:
+        if step.get("type") == "Split":
+            regex = (step.get("pattern") or {}).get("Regex")
+            if regex in _PRE_BY_REGEX:
+                return _PRE_BY_REGEX[regex]
+            raise UnsupportedFormat(f"its pre-tokenizer regex is not one qconv maps to a llama.cpp pre-tokenizer "
+                                    f"({str(regex)[:60]!r}...); nothing written", file=where)
+        if step.get("type") == "ByteLevel" and step.get("use_regex", True):
+            return "gpt-2"
+    raise UnsupportedFormat("its pre-tokenizer is not one qconv maps to a llama.cpp pre-tokenizer; nothing written",
+                            file=where)
+
+
+def tokenizer(folder: Path, config: Mapping, root) -> list[tuple[str, str, object]]:
+    """The tokenizer metadata llama.cpp reads, from tokenizer.json (a byte-level BPE: llama.cpp's "gpt2"
+    model) and tokenizer_config.json, as convert_hf_to_gguf's get_vocab_base and gguf.SpecialVocab
+    write it: tokens padded to the model's vocab_size with [PADn] (UNUSED), added special tokens CONTROL,
+    other added tokens USER_DEFINED, merges as "a b", bos / eos / unk / pad ids, add_bos, the chat
+    template."""
+    path = folder / "tokenizer.json"
+    if root.check(path, "tokenizer") != "file":
+        raise UnsupportedFormat("has no tokenizer.json, which llama.cpp's GGUF needs (qconv maps byte-level BPE "
+                                "tokenizers); nothing written", file=folder)
+    tok = load_json(path, what="tokenizer.json")
+    model = tok.get("model") if isinstance(tok, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise UnsupportedFormat("tokenizer.json is not a BPE tokenizer, the only kind qconv maps to GGUF; "
+                                "nothing written", file=path)
+    pre = _pre_name(tok, path)
+    vocab = {int(i): t for t, i in model["vocab"].items()}
+    added = {int(a["id"]): a for a in tok.get("added_tokens") or [] if isinstance(a, dict) and "id" in a}
+    for i, a in added.items():
+        vocab[i] = a["content"]
+    size = int(config.get("vocab_size") or (max(vocab) + 1))
+    if max(vocab, default=-1) >= size:
+        raise UnsupportedFormat(f"tokenizer.json has token ids up to {max(vocab)}, beyond vocab_size {size}; "
+                                f"nothing written", file=path)
+    tokens, types = [], []
+    for i in range(size):
+        if i not in vocab:
+            tokens.append(f"[PAD{i}]")
+            types.append(UNUSED)
+        elif i in added:
+            tokens.append(vocab[i])
+            types.append(CONTROL if added[i].get("special") else USER_DEFINED)
+        else:
+            tokens.append(vocab[i])
+            types.append(NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    steps = [tok.get("pre_tokenizer") or {}]
+    steps += steps[0].get("pretokenizers", []) if steps[0].get("type") == "Sequence" else []
+    prefix = any(st.get("type") == "ByteLevel" and st.get("add_prefix_space") for st in steps)
+    kv = [("tokenizer.ggml.model", "str", "gpt2"), ("tokenizer.ggml.pre", "str", pre),
+          ("tokenizer.ggml.add_space_prefix", "bool", prefix),
+          ("tokenizer.ggml.tokens", "str[]", tokens), ("tokenizer.ggml.token_type", "i32[]", types),
+          ("tokenizer.ggml.merges", "str[]", merges)]
+    tc_path = folder / "tokenizer_config.json"
+    tc = load_json(tc_path, what="tokenizer_config.json") if root.check(tc_path) == "file" else {}
+    tc = tc if isinstance(tc, dict) else {}
+    ids = {t: i for i, t in vocab.items()}
+    for kind in ("bos", "eos", "unk", "pad"):
+        value = tc.get(f"{kind}_token")
+        value = value.get("content") if isinstance(value, dict) else value
+        tid = ids.get(value) if isinstance(value, str) else None
+        if tid is None and isinstance(config.get(f"{kind}_token_id"), int):
+            tid = config[f"{kind}_token_id"]
+        if tid is not None:                           # llama.cpp's key for unk is unknown_token_id
+            kv.append((f"tokenizer.ggml.{'unknown' if kind == 'unk' else kind}_token_id", "u32", int(tid)))
+    for kind in ("bos", "eos"):
+        if isinstance(tc.get(f"add_{kind}_token"), bool):
+            kv.append((f"tokenizer.ggml.add_{kind}_token", "bool", tc[f"add_{kind}_token"]))
+    template = tc.get("chat_template")
+    jinja = folder / "chat_template.jinja"
+    if template is None and root.check(jinja) == "file":
+        template = jinja.read_text(encoding="utf-8")
+    if isinstance(template, str):
+        kv.append(("tokenizer.chat_template", "str", template))
+    return kv
+
+
+_BLOCK = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def gguf_name(hf_name: str, arch: Arch, n_blocks: int, where) -> str | None:
+    """llama.cpp's name for a Hugging Face tensor (gguf-py's TensorNameMap for the architecture); None
+    for tensors llama.cpp does not load (rotary inv_freq buffers)."""
+    import gguf
+
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch.name)
+    name = gguf.get_tensor_name_map(arch_id, n_blocks).get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise UnsupportedFormat(f"has no llama.cpp name for {arch.name} in gguf-py's tensor map; nothing written",
+                                file=where, tensor=hf_name)
+    return name
+
+
+def hf_tensor_names(config: Mapping) -> list[str]:
+    """The Hugging Face tensors of a llama-style decoder (what a GGUF's tensors are named back to)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}."
+        names += [p + s + ".weight" for s in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+            "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")]
+    return names
+
+
+_HF_ARCH = {"llama": ("LlamaForCausalLM", "llama")}
+
+
+def _f32(value) -> float:
+    """A float32 metadata value as the shortest decimal that reads back as it (1e-06, not 9.99999997e-07)."""
+    import struct
+
+    v = float(value)
+    for digits in range(1, 18):
+        short = float(f"{v:.{digits}g}")
+        if struct.unpack("<f", struct.pack("<f", short))[0] == v:
+            return short
+    return v
+
+
+def config_from(meta: Mapping, where) -> dict:
+    """config.json for a GGUF's architecture, from its metadata: the inverse of hparams() (what
+    llama.cpp's converter wrote from the Hugging Face config)."""
+    a = meta.get("general.architecture")
+    if a not in _HF_ARCH:
+        raise UnsupportedFormat(f"GGUF architecture {a!r} has no Hugging Face mapping in qconv (mapped: "
+                                f"{', '.join(sorted(_HF_ARCH))}); nothing written", file=where)
+
+    def need(key):
+        if f"{a}.{key}" not in meta:
+            raise UnsupportedFormat(f"has no {a}.{key} in its metadata, which a {a} model needs", file=where)
+        return meta[f"{a}.{key}"]
+
+    heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
+    arch_name, model_type = _HF_ARCH[a]
+    config = {"architectures": [arch_name], "model_type": model_type, "hidden_size": hidden,
+              "intermediate_size": int(need("feed_forward_length")), "num_hidden_layers": int(need("block_count")),
+              "num_attention_heads": heads,
+              "num_key_value_heads": int(meta.get(f"{a}.attention.head_count_kv", heads)),
+              "head_dim": int(meta.get(f"{a}.attention.key_length", meta.get(f"{a}.rope.dimension_count", hidden // heads))),
+              "max_position_embeddings": int(meta.get(f"{a}.context_length", 2048)),
+              "rms_norm_eps": _f32(meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+              "rope_parameters": {"rope_theta": _f32(meta.get(f"{a}.rope.freq_base", 10000.0)), "rope_type": "default"},
+              "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}
+    tokens = meta.get("tokenizer.ggml.tokens")
+    config["vocab_size"] = int(meta.get(f"{a}.vocab_size", len(tokens) if isinstance(tokens, list) else 0))
+    for kind in ("bos", "eos", "pad"):
+        if isinstance(meta.get(f"tokenizer.ggml.{kind}_token_id"), int):
+            config[f"{kind}_token_id"] = meta[f"tokenizer.ggml.{kind}_token_id"]
+    return config
+
+
+_PRE_SPLIT = {v: k for k, v in _PRE_BY_REGEX.items() if v != "gpt-2"}
+
+
+def tokenizer_files(meta: Mapping, where) -> dict[str, dict]:
+    """tokenizer.json and tokenizer_config.json rebuilt from a GGUF's byte-level BPE tokenizer (llama.cpp's
+    "gpt2" model): the inverse of tokenizer(): [PADn] padding (UNUSED) left out, CONTROL tokens as special
+    added tokens, USER_DEFINED as plain added tokens. {} where the file has no tokenizer of that kind."""
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        return {}
+    tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type") or []
+    merges = meta.get("tokenizer.ggml.merges") or []
+    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
+    if pre != "gpt-2" and pre not in _PRE_SPLIT:
+        raise UnsupportedFormat(f"its tokenizer's pre-tokenizer {pre!r} is not one qconv maps back to "
+                                f"tokenizer.json; nothing written", file=where)
+    vocab, added = {}, []
+    for i, t in enumerate(tokens):
+        kind = types[i] if i < len(types) else NORMAL
+        if kind == UNUSED:
+            continue
+        vocab[t] = i
+        if kind in (CONTROL, USER_DEFINED):
+            added.append({"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": kind == USER_DEFINED, "special": kind == CONTROL})
+    byte_level = {"type": "ByteLevel", "add_prefix_space": bool(meta.get("tokenizer.ggml.add_space_prefix", False)),
+                  "trim_offsets": True, "use_regex": pre == "gpt-2"}
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
+    if pre == "gpt-2":
+        pre_tok = byte_level
+    else:
+        pre_tok = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": _PRE_SPLIT[pre]}, "behavior": "Isolated", "invert": False},
+            byte_level]}
+    tok = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+           "pre_tokenizer": pre_tok, "post_processor": None,
+           "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+           "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
+                     "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                     "vocab": vocab, "merges": [m.split(" ", 1) for m in merges]}}
+    tc = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    for kind in ("bos", "eos", "unk", "pad"):
+        tid = meta.get(f"tokenizer.ggml.{'unknown' if kind == 'unk' else kind}_token_id")
+        if isinstance(tid, int) and 0 <= tid < len(tokens):
+            tc[f"{kind}_token"] = tokens[tid]
+    for kind in ("bos", "eos"):
+        if isinstance(meta.get(f"tokenizer.ggml.add_{kind}_token"), bool):
+            tc[f"add_{kind}_token"] = meta[f"tokenizer.ggml.add_{kind}_token"]
+    if isinstance(meta.get("tokenizer.chat_template"), str):
+        tc["chat_template"] = meta["tokenizer.chat_template"]
+    return {"tokenizer.json": tok, "tokenizer_config.json": tc}

@@ -1,0 +1,171 @@
+"""GGUF's legacy 32-weight blocks <-> qconv's canonical representation (numpy).
+
+The blocks (ggml/src/ggml-common.h; gguf-py's ``quants.py`` is the reference decoder), one row of the
+weight after another, each row ``in / 32`` blocks::
+
+    Q8_0   d: f16, qs: int8[32]                          w = d * qs
+    Q4_0   d: f16, qs: u8[16] (j: low nibble, j+16: high) w = d * (nibble - 8)
+    Q4_1   d: f16, m: f16, qs: u8[16]                    w = d * nibble + m
+    Q5_0   d: f16, qh: u32 (bit j: 5th bit of j), qs: u8[16]   w = d * (q5 - 16)
+    MXFP4  e: e8m0, qs: u8[16]                           w = kvalues[nibble] * 2^(e - 128)
+
+An integer module w = s * (q - z) (GPTQ, AWQ, compressed-tensors, LLM.int8 with s = SCB / 127) whose every
+32-block lies in one group keeps its codes exactly (the issue's table, measured in tests/test_gguf_writer.py):
+
+* 8-bit symmetric (z = 128): Q8_0, qs = q - 128, d = s;
+* 4-bit symmetric (z = 8): Q4_0, nibble = q, d = s;
+* 4-bit asymmetric: Q5_0, q5 = q - z + 16 (always 1..31), d = s; or Q4_1, nibble = q, m = -s * z;
+* 2- and 3-bit, any zero point: Q4_0, nibble = q - z + 8 (always 1..15), d = s;
+* MXFP4 (e2m1 codes, power-of-two scales per 32): MXFP4, the same nibbles, e = log2(s) + 127.
+
+The only rounding is d (and Q4_1's m) to float16; every float32 product d * (q - z) then equals the
+source's (q - z) * s exactly when d == s. ``gguf_type`` says which type a module gets and why its codes
+cannot be kept where they cannot; ``encode`` makes the blocks; ``decode`` reads them back as a QuantTensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.ir import QuantSpec, QuantTensor
+from .header import GGML_TYPES
+
+QK = 32
+# type name -> (ggml type id, bytes per 32-block): the block types written here, from header.GGML_TYPES
+TYPES = {name: (tid, size) for tid, (name, block, size) in GGML_TYPES.items()
+         if name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "MXFP4")}
+FTYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "BF16": 32, "MXFP4": 38}  # llama_ftype
+ASYM_TYPES = ("Q5_0", "Q4_1")
+# e2m1 values doubled (ggml's kvalues_mxfp4), indexed by the e2m1 code (sign bit 3, magnitude 0..7)
+E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def row_bytes(type_name: str, inp: int) -> int:
+    return inp // QK * TYPES[type_name][1]
+
+
+def _blocks_in_one_group(spec: QuantSpec, g_idx, inp: int) -> bool:
+    if g_idx is not None:
+        g = np.asarray(g_idx).reshape(-1, QK)
+        return bool((g == g[:, :1]).all())
+    return spec.group_size <= 0 or spec.group_size % QK == 0
+
+
+def gguf_type(spec, inp: int, asym: str = "Q5_0", g_idx=None) -> tuple[str | None, str | None]:
+    """(type, reason): the block type whose codes are this module's, and None; or the type it is
+    requantized to and why its codes cannot be kept; (None, reason): no block type holds its shape."""
+    if inp % QK:
+        return None, f"{inp} input features are not a multiple of GGUF's 32-weight blocks"
+    if spec.scheme == "e2m1" and spec.global_scale is None and spec.group_size == QK:
+        return "MXFP4", None                               # MXFP4: power-of-two scales per 32
+    fallback = "Q8_0" if spec.bits == 8 else "Q4_0"
+    if spec.scheme != "int":
+        return fallback, f"{spec.name} codes are not integers"
+    if not _blocks_in_one_group(spec, g_idx, inp):
+        why = "act-order groups split a 32-weight block" if g_idx is not None \
+            else f"group size {spec.group_size} is not a multiple of 32"
+        return fallback, why
+    if spec.bits == 8:
+        return ("Q8_0", None) if spec.symmetric else ("Q8_0", "asymmetric 8-bit zero points become symmetric")
+    if spec.bits == 4:
+        return ("Q4_0", None) if spec.symmetric else (asym, None)
+    if spec.bits < 4:
+        return "Q4_0", None
+    return "Q8_0", f"{spec.bits}-bit codes become 8-bit"
+
+
+def requant_settings(type_name: str) -> tuple[int, bool]:
+    """(bits, symmetric) of the integer requantization a block type holds (groups of 32)."""
+    return {"Q8_0": (8, True), "Q4_0": (4, True), "Q5_0": (4, False), "Q4_1": (4, False)}[type_name]
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.asarray(x, np.float32).astype(np.float16)
+
+
+def block_scales(qt: QuantTensor) -> np.ndarray:
+    """float32 [out, in / 32]: each block's exact scale s (stored / divisor, as the source computes it)."""
+    first = qt.groups[::QK]
+    s = qt.scales[:, first]
+    if qt.spec.scale_divisor != 1:
+        s = s * np.float32(1.0 / qt.spec.scale_divisor)
+    return s.astype(np.float32)
+
+
+def encode(qt: QuantTensor, type_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks uint8 [out, row_bytes], the exact scales d rounds: float32 [out, in / 32]) of a module in
+    the type gguf_type gave it. Raises ValueError where a code does not fit (a zero point the spec
+    called symmetric and is not)."""
+    out, inp = qt.shape
+    nb = inp // QK
+    if type_name == "MXFP4":
+        s = qt.scales[:, qt.groups[::QK]].astype(np.float32)
+        mant, exp = np.frexp(s)
+        if not np.all(mant == 0.5):
+            raise ValueError("MXFP4 scales are not powers of two")
+        e = exp.astype(np.int32) - 1 + 127          # s = 2^(e - 127)
+        if e.min(initial=1) < 1 or e.max(initial=0) > 254:
+            raise ValueError("MXFP4 scales are outside e8m0's range")
+        codes = qt.codes.reshape(out, nb, QK).astype(np.uint8)
+        # ggml decodes kvalues[n] * 2^(e - 128) with kvalues doubled, so the same byte e gives e2m1 * s
+        qs = (codes[:, :, :16] & 0xF) | ((codes[:, :, 16:] & 0xF) << 4)
+        blocks = np.concatenate([e.astype(np.uint8)[:, :, None], qs], axis=2)
+        return blocks.reshape(out, nb * 17), s
+    s = block_scales(qt)
+    q = qt.codes.astype(np.int16).reshape(out, nb, QK)
+    z = qt.zeros[:, qt.groups[::QK]].astype(np.int16)[:, :, None]
+    d = _f16(s).reshape(out, nb, 1).view(np.uint8).reshape(out, nb, 2)
+    if type_name == "Q8_0":
+        v = q - z
+        if v.min(initial=0) < -128 or v.max(initial=0) > 127:
+            raise ValueError("8-bit codes minus their zero points do not fit int8")
+        body = v.astype(np.int8).view(np.uint8)
+        parts = [d, body]
+    elif type_name in ("Q4_0", "Q4_1"):
+        n = q - z + 8 if type_name == "Q4_0" else q
+        if n.min(initial=0) < 0 or n.max(initial=0) > 15:
+            raise ValueError("codes do not fit Q4 nibbles")
+        n = n.astype(np.uint8)
+        qs = n[:, :, :16] | (n[:, :, 16:] << 4)
+        if type_name == "Q4_0":
+            parts = [d, qs]
+        else:
+            m = _f16(-(s * z[:, :, 0].astype(np.float32))).reshape(out, nb, 1).view(np.uint8).reshape(out, nb, 2)
+            parts = [d, m, qs]
+    elif type_name == "Q5_0":
+        v = q - z + 16
+        if v.min(initial=0) < 0 or v.max(initial=0) > 31:
+            raise ValueError("codes minus their zero points do not fit Q5_0")
+        v = v.astype(np.uint32)
+        qh = ((v >> 4) << np.arange(QK, dtype=np.uint32)).sum(axis=2, dtype=np.uint32)
+        low = (v & 0xF).astype(np.uint8)
+        qs = low[:, :, :16] | (low[:, :, 16:] << 4)
+        parts = [d, qh.astype("<u4").reshape(out, nb, 1).view(np.uint8), qs]
+    else:
+        raise ValueError(f"no encoder for {type_name}")
+    return np.concatenate(parts, axis=2).reshape(out, nb * TYPES[type_name][1]), s
+
+
+def stored_scales(blocks: np.ndarray, type_name: str) -> np.ndarray:
+    """float32 [out, in / 32]: the scale each block stores (d, or 2^(e - 127) for MXFP4's e2m1 units)."""
+    out = blocks.shape[0]
+    b = blocks.reshape(out, -1, TYPES[type_name][1])
+    if type_name == "MXFP4":
+        return np.ldexp(np.float32(1.0), b[:, :, 0].astype(np.int32) - 127).astype(np.float32)
+    return b[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+
+
+def permute_rows(blocks: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's rotary layout for llama's q / k (convert_hf_to_gguf LlamaModel.permute): within each
+    head, the rows of the two rotary halves interleaved. A permutation of output rows, so of codes,
+    scales and zero points alike; applies to block rows and float rows the same way."""
+    rows = blocks.shape[0]
+    return np.ascontiguousarray(blocks.reshape(n_head, 2, rows // n_head // 2, *blocks.shape[1:])
+                                .swapaxes(1, 2).reshape(blocks.shape))
+
+
+def unpermute_rows(blocks: np.ndarray, n_head: int) -> np.ndarray:
+    rows = blocks.shape[0]
+    return np.ascontiguousarray(blocks.reshape(n_head, rows // n_head // 2, 2, *blocks.shape[1:])
+                                .swapaxes(1, 2).reshape(blocks.shape))

@@ -1,0 +1,503 @@
+"""Read and validate a GGUF file's header with the standard library only (no numpy, no torch, no ``gguf``).
+
+File layout (ggml/docs/gguf.md; gguf-py's ``gguf_reader.py`` is the reference reader), little-endian::
+
+    "GGUF"  u32 version (2 or 3)  u64 n_tensors  u64 n_kv
+    n_kv x      [ string key ][ u32 value type ][ value ]          string = u64 length + UTF-8 bytes
+                                                                   array  = u32 type, u64 count, elements
+    n_tensors x [ string name ][ u32 n_dims ][ n_dims x u64 ne0, ne1, ... ][ u32 ggml type ][ u64 offset ]
+    padding to general.alignment (default 32)
+    data: each tensor at data start + its offset, which is a multiple of the alignment
+
+Every length and count in that header is the file's claim, so none is trusted: each is checked against the
+bytes the file really has left before anything is read or allocated, reads go through one bounded buffer,
+and very long arrays and strings (a tokenizer's 150k tokens) are read through but kept only as a summary
+(``Elided``), so memory stays small whatever the file says. A file this module accepts is one llama.cpp's
+loader accepts too, but for gaps between tensors (llama.cpp wants them packed; gguf-py reads them) and
+tensor names over 63 bytes; every refusal names the file and the key or tensor.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from ...errors import CorruptCheckpoint, UnsupportedFormat
+from ..storage.safetensors_header import open_regular
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4                    # GGML_MAX_DIMS
+MAX_NESTING = 8                 # arrays of arrays, this deep at most
+MAX_NAME_BYTES = 1 << 16        # keys and tensor names are short; a longer one is a lie about its length
+KEEP_ELEMENTS = 64              # arrays up to this long are kept whole ...
+HEAD_ELEMENTS = 8               # ... longer ones as their type, count and first few elements
+KEEP_STRING_BYTES = 1 << 20     # strings up to 1 MiB are kept whole, longer ones as a head
+HEAD_CHARS = 256
+_CHUNK = 1 << 20
+_INT64_MAX = (1 << 63) - 1
+
+# ggml type id -> (name, block size in weights, bytes per block): ggml.h's ggml_type and gguf-py's
+# GGML_QUANT_SIZES (gguf/constants.py, gguf 0.19.0). The single source of GGUF layout truth here.
+GGML_TYPES: Mapping[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 2 + 16),
+    3: ("Q4_1", 32, 2 + 2 + 16),
+    6: ("Q5_0", 32, 2 + 4 + 16),
+    7: ("Q5_1", 32, 2 + 2 + 4 + 16),
+    8: ("Q8_0", 32, 2 + 32),
+    9: ("Q8_1", 32, 4 + 4 + 32),
+    10: ("Q2_K", 256, 2 + 2 + 256 // 16 + 256 // 4),
+    11: ("Q3_K", 256, 2 + 256 // 4 + 256 // 8 + 12),
+    12: ("Q4_K", 256, 2 + 2 + 256 // 2 + 12),
+    13: ("Q5_K", 256, 2 + 2 + 256 // 2 + 256 // 8 + 12),
+    14: ("Q6_K", 256, 2 + 256 // 2 + 256 // 4 + 256 // 16),
+    15: ("Q8_K", 256, 4 + 256 + 256 // 8),
+    16: ("IQ2_XXS", 256, 2 + 256 // 4),
+    17: ("IQ2_XS", 256, 2 + 256 // 4 + 256 // 32),
+    18: ("IQ3_XXS", 256, 2 + 256 // 4 + 256 // 8),
+    19: ("IQ1_S", 256, 2 + 256 // 8 + 256 // 16),
+    20: ("IQ4_NL", 32, 2 + 16),
+    21: ("IQ3_S", 256, 2 + 256 // 4 + 256 // 8 + 256 // 32 + 4),
+    22: ("IQ2_S", 256, 2 + 256 // 4 + 256 // 16),
+    23: ("IQ4_XS", 256, 2 + 2 + 256 // 2 + 256 // 64),
+    24: ("I8", 1, 1),
+    25: ("I16", 1, 2),
+    26: ("I32", 1, 4),
+    27: ("I64", 1, 8),
+    28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 256 // 8 + 256 // 16 + 256 // 32),
+    30: ("BF16", 1, 2),
+    34: ("TQ1_0", 256, 2 + 4 * 13),
+    35: ("TQ2_0", 256, 2 + 64),
+    39: ("MXFP4", 32, 1 + 16),
+    40: ("NVFP4", 64, 4 + 32),
+    41: ("Q1_0", 128, 2 + 16),
+}
+
+# general.file_type -> name: llama.h's llama_ftype (gguf-py's LlamaFileType), "MOSTLY_" dropped.
+FILE_TYPES: Mapping[int, str] = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
+    12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
+    19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL",
+    26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0",
+    37: "TQ2_0", 38: "MXFP4_MOE", 39: "NVFP4", 40: "Q1_0", 1024: "GUESSED",
+}
+
+# value type id -> (name, struct format or None, smallest encoded size): GGUFValueType.
+_STRING, _ARRAY, _BOOL, _F32 = 8, 9, 7, 6
+VALUE_TYPES: Mapping[int, tuple[str, str | None, int]] = {
+    0: ("uint8", "<B", 1), 1: ("int8", "<b", 1), 2: ("uint16", "<H", 2), 3: ("int16", "<h", 2),
+    4: ("uint32", "<I", 4), 5: ("int32", "<i", 4), 6: ("float32", "<f", 4), 7: ("bool", "<B", 1),
+    8: ("string", None, 8), 9: ("array", None, 4 + 8), 10: ("uint64", "<Q", 8), 11: ("int64", "<q", 8),
+    12: ("float64", "<d", 8),
+}
+_U32, _U64, _F32S = struct.Struct("<I"), struct.Struct("<Q"), struct.Struct("<f")
+
+
+def bits_per_weight(type_id: int) -> float:
+    """Storage bits per weight of a ggml type, scales and mins included (Q4_K: 4.5, Q8_0: 8.5)."""
+    if type_id not in GGML_TYPES:
+        raise UnsupportedFormat(f"unknown ggml type {type_id}; qconv knows {', '.join(map(str, GGML_TYPES))}")
+    _, block, size = GGML_TYPES[type_id]
+    return 8 * size / block
+
+
+def is_quantized(type_id: int) -> bool:
+    """Block types (Q*, IQ*, TQ*, MXFP4, ...) as against plain float and integer elements."""
+    return GGML_TYPES[type_id][1] > 1
+
+
+@dataclass(frozen=True)
+class Elided:
+    """A metadata value too long to keep (an array of more than KEEP_ELEMENTS elements, a string of more
+    than KEEP_STRING_BYTES bytes): it was read through and validated, and only its size and head are kept,
+    so a 150k-token vocabulary costs a few hundred bytes. ``type`` is "string" or "array[<element type>]";
+    ``count`` is the array's elements or the string's UTF-8 bytes."""
+
+    type: str
+    count: int
+    head: tuple | str
+
+    def to_json(self) -> dict:
+        return {"type": self.type, "count": self.count, "head": plain(self.head)}
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor info. ``shape`` is in GGUF order (ne0, the contiguous dimension, first: a [out, in]
+    Linear weight reads (in, out)); ``offset`` is absolute within the file."""
+
+    name: str
+    shape: tuple[int, ...]
+    type: int
+    type_name: str
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    path: Path
+    version: int
+    alignment: int
+    metadata: Mapping[str, Any]        # key -> int | float | bool | str | list | Elided, in file order
+    tensors: tuple[GGUFTensor, ...]    # in file order
+    data_offset: int
+    file_size: int
+
+
+def plain(value):
+    """A metadata value as JSON can hold it (Elided as {"type", "count", "head"})."""
+    if isinstance(value, Elided):
+        return value.to_json()
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def looks_like_gguf(path: str | os.PathLike) -> bool:
+    """A regular file named *.gguf, or one that starts with the GGUF magic: what `qconv inspect` reads as
+    GGUF rather than as safetensors."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    if path.suffix == ".safetensors":
+        return False
+    try:
+        with open_regular(path) as f:
+            return f.read(4) == MAGIC
+    except CorruptCheckpoint:
+        return False
+
+
+class _Source:
+    """Bounded reads from an open file: every read is checked against the bytes the file has left, so a
+    lying length is refused before anything is allocated, and small reads are served from one buffer."""
+
+    def __init__(self, f, size: int, path: Path):
+        self.f, self.size, self.path = f, size, path
+        self.buf, self.bpos, self.base = b"", 0, 0    # base: file offset of buf[0]
+
+    @property
+    def pos(self) -> int:
+        return self.base + self.bpos
+
+    def left(self) -> int:
+        return self.size - self.pos
+
+    def corrupt(self, problem: str, tensor: str | None = None) -> CorruptCheckpoint:
+        return CorruptCheckpoint(problem, file=self.path, tensor=tensor)
+
+    def truncated(self, n: int, what: str, tensor: str | None = None) -> CorruptCheckpoint:
+        return self.corrupt(f"truncated: {what} needs {n} bytes at offset {self.pos}, but the file ends at "
+                            f"{self.size}", tensor)
+
+    def ensure(self, n: int, what: str, tensor: str | None = None) -> None:
+        if self.bpos + n <= len(self.buf):
+            return
+        if n > self.left():
+            raise self.truncated(n, what, tensor)
+        rest = self.buf[self.bpos:]
+        end = self.base + len(self.buf)
+        want = min(max(n - len(rest), _CHUNK), self.size - end)
+        self.f.seek(end)
+        data = self.f.read(want)
+        self.base, self.buf, self.bpos = self.pos, rest + data, 0
+        if len(self.buf) < n:                       # the file shrank while it was read
+            raise self.truncated(n, what, tensor)
+
+    def take(self, n: int, what: str, tensor: str | None = None) -> bytes:
+        self.ensure(n, what, tensor)
+        out = self.buf[self.bpos:self.bpos + n]
+        self.bpos += n
+        return out
+
+    def skip(self, n: int, what: str) -> None:
+        if self.bpos + n <= len(self.buf):
+            self.bpos += n
+            return
+        if n > self.left():
+            raise self.truncated(n, what)
+        self.base, self.buf, self.bpos = self.pos + n, b"", 0
+
+    def u32(self, what: str, tensor: str | None = None) -> int:
+        self.ensure(4, what, tensor)
+        (v,) = _U32.unpack_from(self.buf, self.bpos)
+        self.bpos += 4
+        return v
+
+    def u64(self, what: str, tensor: str | None = None) -> int:
+        self.ensure(8, what, tensor)
+        (v,) = _U64.unpack_from(self.buf, self.bpos)
+        self.bpos += 8
+        return v
+
+    def string(self, what: str, *, limit: int | None = None, tensor: str | None = None) -> str | Elided:
+        """A gguf string; longer than ``limit`` bytes is refused (keys, names), longer than
+        KEEP_STRING_BYTES is decoded in chunks and kept as an Elided head."""
+        n = self.u64(f"the length of {what}", tensor)
+        if n > self.left():
+            raise self.corrupt(f"{what} claims {n} bytes, but only {self.left()} bytes are left in the file",
+                               tensor)
+        if limit is not None and n > limit:
+            raise self.corrupt(f"{what} claims {n} bytes; a name is at most {limit} bytes", tensor)
+        if n <= KEEP_STRING_BYTES:
+            raw = self.take(n, what, tensor)
+            try:
+                return raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise self.corrupt(f"{what} is not UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 4]!r})",
+                                   tensor) from None
+        decoder, head, done = codecs.getincrementaldecoder("utf-8")("strict"), "", 0
+        try:
+            while done < n:
+                k = min(_CHUNK // 16, n - done)
+                text = decoder.decode(self.take(k, what, tensor))
+                head = head if len(head) >= HEAD_CHARS else (head + text)[:HEAD_CHARS]
+                done += k
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise self.corrupt(f"{what} is not UTF-8", tensor) from None
+        return Elided("string", n, head)
+
+
+def read_header(path: str | os.PathLike) -> GGUFHeader:
+    """Parse and validate the header of one GGUF file (v2 or v3, little-endian). Reads the header only,
+    never tensor data, and holds at most a few MiB whatever the file claims."""
+    path = Path(path)
+    with open_regular(path) as f:
+        try:
+            return _parse(_Source(f, os.fstat(f.fileno()).st_size, path))
+        except OSError as exc:                      # EIO and the like, mid-read
+            raise CorruptCheckpoint(f"cannot read: {exc.strerror or exc}", file=path) from None
+
+
+def _parse(src: _Source) -> GGUFHeader:
+    path = src.path
+    if src.size < 4:
+        magic = src.take(src.size, "the magic")
+        raise src.corrupt(f"not a GGUF file: {src.size} bytes long ({magic!r}); a GGUF file starts with {MAGIC!r}")
+    magic = src.take(4, "the magic")
+    if magic != MAGIC:
+        raise src.corrupt(f"not a GGUF file: starts with {magic!r}, expected {MAGIC!r}")
+    version = src.u32("the version")
+    if version not in VERSIONS:
+        swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+        if swapped in VERSIONS:
+            raise UnsupportedFormat(f"big-endian GGUF v{swapped}; qconv reads little-endian GGUF v2 and v3 only",
+                                    file=path)
+        if version == 0:
+            raise src.corrupt("GGUF version 0; there is no such version (GGUF v2 and v3 are read)")
+        raise UnsupportedFormat(f"GGUF version {version}; qconv reads GGUF v2 and v3 "
+                                f"(convert it with a current llama.cpp)", file=path)
+    n_tensors = src.u64("the tensor count")
+    n_kv = src.u64("the metadata key count")
+    # Each key/value takes at least 13 bytes (8 length, 4 type, 1 value), each tensor info 32 (8 name
+    # length, 4 n_dims, one 8-byte dimension, 4 type, 8 offset): counts the file cannot hold are lies.
+    if n_kv * 13 + n_tensors * 32 > src.left():
+        raise src.corrupt(f"header claims {n_tensors} tensors and {n_kv} metadata keys, more than the "
+                          f"{src.left()} bytes left in the file can hold")
+
+    metadata: dict[str, Any] = {}
+    alignment = DEFAULT_ALIGNMENT
+    for i in range(n_kv):
+        key = src.string(f"metadata key {i} of {n_kv}", limit=MAX_NAME_BYTES)
+        if key in metadata:
+            raise src.corrupt(f"metadata key {key!r} appears twice")
+        vtype = src.u32(f"the value type of key {key!r}")
+        metadata[key] = _value(src, vtype, f"key {key!r}", 0)
+        if key == "general.alignment":
+            if vtype != 4:
+                raise src.corrupt(f"key 'general.alignment' is of type {VALUE_TYPES[vtype][0]}, expected uint32")
+            alignment = metadata[key]
+            if alignment == 0 or alignment & (alignment - 1):
+                raise src.corrupt(f"key 'general.alignment' is {alignment}, expected a power of two")
+
+    infos = []
+    seen: set[str] = set()
+    for i in range(n_tensors):
+        where = f"tensor info {i} of {n_tensors}"
+        name = src.string(f"the name of {where}", limit=MAX_NAME_BYTES)
+        if name in seen:
+            raise src.corrupt("appears twice among the tensor infos", name)
+        seen.add(name)
+        n_dims = src.u32("its n_dims", name)
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise src.corrupt(f"has {n_dims} dimensions, expected 1 to {MAX_DIMS}", name)
+        shape = tuple(src.u64(f"dimension {d}", name) for d in range(n_dims))
+        type_id = src.u32("its ggml type", name)
+        rel = src.u64("its offset", name)
+        infos.append((name, shape, type_id, rel))
+
+    data_offset = -(-src.pos // alignment) * alignment
+    tensors = []
+    for name, shape, type_id, rel in infos:
+        if type_id not in GGML_TYPES:
+            raise UnsupportedFormat(f"unknown ggml type {type_id} (removed from ggml, or newer than the types "
+                                    f"qconv knows: {', '.join(n for n, _, _ in GGML_TYPES.values())})",
+                                    file=path, tensor=name)
+        type_name, block, type_size = GGML_TYPES[type_id]
+        numel = 1
+        for d, ne in enumerate(shape):
+            if ne > _INT64_MAX:
+                raise src.corrupt(f"dimension {d} is {ne}, negative as ggml's int64", name)
+            numel *= ne
+        if numel > _INT64_MAX:
+            raise src.corrupt(f"shape {list(shape)} has {numel} elements, more than an int64 holds", name)
+        if shape[0] % block:
+            raise src.corrupt(f"first dimension {shape[0]} is not a multiple of {type_name}'s "
+                              f"{block}-weight blocks", name)
+        nbytes = numel // block * type_size
+        if rel % alignment:
+            raise src.corrupt(f"offset {rel} is not a multiple of the alignment {alignment}", name)
+        if data_offset + rel + nbytes > src.size:
+            raise src.corrupt(f"data [{data_offset + rel}, {data_offset + rel + nbytes}) runs past the end of "
+                              f"the file ({src.size} bytes)", name)
+        tensors.append(GGUFTensor(name, shape, type_id, type_name, data_offset + rel, nbytes))
+
+    placed = sorted((t for t in tensors if t.nbytes), key=lambda t: t.offset)
+    for a, b in zip(placed, placed[1:]):
+        if b.offset < a.offset + a.nbytes:
+            raise src.corrupt(f"data [{b.offset}, {b.offset + b.nbytes}) overlaps tensor {a.name!r} "
+                              f"[{a.offset}, {a.offset + a.nbytes})", b.name)
+    return GGUFHeader(path, version, alignment, metadata, tuple(tensors), data_offset, src.size)
+
+
+def _value(src: _Source, vtype: int, what: str, depth: int):
+    if vtype not in VALUE_TYPES:
+        raise src.corrupt(f"{what}: unknown value type {vtype} (known: 0 to 12)")
+    name, fmt, _ = VALUE_TYPES[vtype]
+    if vtype == _STRING:
+        return src.string(what)
+    if vtype != _ARRAY:
+        size = struct.calcsize(fmt)
+        (v,) = struct.unpack(fmt, src.take(size, what))
+        return _scalar(vtype, v)
+    if depth >= MAX_NESTING:
+        raise src.corrupt(f"{what}: arrays nested more than {MAX_NESTING} deep")
+    etype = src.u32(f"the element type of {what}")
+    if etype not in VALUE_TYPES:
+        raise src.corrupt(f"{what}: unknown array element type {etype} (known: 0 to 12)")
+    count = src.u64(f"the element count of {what}")
+    ename, efmt, emin = VALUE_TYPES[etype]
+    if count * emin > src.left():
+        raise src.corrupt(f"{what}: array claims {count} {ename} elements (at least {count * emin} bytes), "
+                          f"but only {src.left()} bytes are left in the file")
+    keep = count if count <= KEEP_ELEMENTS else HEAD_ELEMENTS
+    if efmt is not None:                                  # fixed-size elements: read the kept ones, skip the rest
+        esize = struct.calcsize(efmt)
+        raw = src.take(keep * esize, what)
+        items = [_scalar(etype, v) for (v,) in struct.iter_unpack(efmt, raw)]
+        src.skip((count - keep) * esize, what)
+    else:
+        items = [_value(src, etype, f"{what}[{j}]", depth + 1) for j in range(keep)]
+        if etype == _STRING:                              # hot path: a tokenizer's 150k tokens
+            for j in range(keep, count):
+                src.string(f"{what}[{j}]")
+        else:
+            for j in range(keep, count):
+                _value(src, etype, f"{what}[{j}]", depth + 1)
+    if count <= KEEP_ELEMENTS:
+        return items
+    return Elided(f"array[{ename}]", count, tuple(items))
+
+
+def _scalar(vtype: int, v):
+    if vtype == _BOOL:
+        return bool(v)
+    if vtype == _F32:
+        return _shortest_f32(v)
+    return v
+
+
+def _shortest_f32(v: float) -> float:
+    """The shortest decimal that is the same float32 (1e-06, not 9.999999974752427e-07), for reports."""
+    packed = _F32S.pack(v)
+    for digits in range(1, 10):
+        try:
+            shorter = float(f"{v:.{digits}g}")
+            if _F32S.pack(shorter) == packed:
+                return shorter
+        except (OverflowError, ValueError):
+            break
+    return v
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+def summary(header: GGUFHeader) -> dict:
+    """What `qconv inspect` reports for a GGUF file (JSON-ready): the model, bytes and parameters by ggml
+    type, bits per weight, the tokenizer, the architecture's hyperparameters and split info."""
+    md = header.metadata
+    arch = md.get("general.architecture")
+    by_type: dict[str, dict[str, int]] = {}
+    params = tensor_bytes = quantized = 0
+    for t in header.tensors:
+        row = by_type.setdefault(t.type_name, {"tensors": 0, "parameters": 0, "bytes": 0,
+                                               "bits_per_weight": bits_per_weight(t.type)})
+        row["tensors"] += 1
+        row["parameters"] += t.numel
+        row["bytes"] += t.nbytes
+        params += t.numel
+        tensor_bytes += t.nbytes
+        if is_quantized(t.type):
+            quantized += t.numel
+    ftype = md.get("general.file_type")
+    report: dict[str, Any] = {
+        "version": header.version,
+        "architecture": arch,
+        "name": md.get("general.name"),
+        "file_type": (FILE_TYPES.get(ftype, f"unknown ({ftype})") if isinstance(ftype, int) else None),
+        "tensors": len(header.tensors),
+        "parameters": params,
+        "tensor_bytes": tensor_bytes,
+        "bits_per_weight": round(8 * tensor_bytes / params, 3) if params else None,
+        "quantized_parameters": quantized,
+        "quantized_share": round(quantized / params, 4) if params else None,
+        "types": dict(sorted(by_type.items(), key=lambda kv: (-kv[1]["bytes"], kv[0]))),
+        "metadata_keys": len(md),
+        "alignment": header.alignment,
+        "data_offset": header.data_offset,
+        "file_size": header.file_size,
+    }
+    if any(k.startswith("tokenizer.") for k in md):
+        report["tokenizer"] = {
+            "model": md.get("tokenizer.ggml.model"),
+            "pre": md.get("tokenizer.ggml.pre"),
+            "tokens": _count(md.get("tokenizer.ggml.tokens")),
+            "merges": _count(md.get("tokenizer.ggml.merges")),
+            "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
+            "chat_template": "tokenizer.chat_template" in md,
+        }
+    if isinstance(arch, str):
+        report["hparams"] = {k: plain(v) for k, v in md.items() if k.startswith(f"{arch}.")}
+    if "split.no" in md or "split.count" in md:
+        report["split"] = {"no": md.get("split.no"), "count": md.get("split.count"),
+                           "tensors": md.get("split.tensors.count")}
+    return report
+
+
+def _count(value) -> int | None:
+    if isinstance(value, Elided):
+        return value.count
+    if isinstance(value, list):
+        return len(value)
+    return None

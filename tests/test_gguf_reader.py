@@ -1,0 +1,124 @@
+"""`qconv dequantize model.gguf DST`: a GGUF back as a Hugging Face folder that transformers loads. The
+GGUFs are qconv's own from the producers' fixtures (llama.cpp's reader and runtime accept them:
+tests/test_gguf_writer.py, tests/test_llamacpp.py), and one written by gguf-py's own quantizer; K-quant
+files made by llama.cpp's quantizer are read in tests/test_llamacpp.py."""
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import CHECKPOINTS, one_error, run_qconv
+
+
+def tensors(folder):
+    out = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(shard))
+    return out
+
+
+def gguf_of(src, path, *args):
+    run_qconv("convert", CHECKPOINTS / src, path, "--to", "gguf", *args, check=0)
+    return path
+
+
+@pytest.mark.parametrize("src", ["llama-gptq-w8g128", "llama-gptq-w4g64-asym", "llama-awq-w4g128",
+                                 "llama-gptq-w3g128", "llama-ct-mxfp4", "llama-fp16"])
+def test_a_code_kept_gguf_dequantizes_to_the_sources_float_model(tmp_path, src):
+    """Through GGUF and back, every tensor has the values `qconv dequantize` gives for the source itself
+    (the codes were kept, q / k rows are put back), the config holds the source's architecture, and
+    transformers' logits of the two folders are equal."""
+    args = ("--gguf-float",) if src == "llama-fp16" else ()
+    g = gguf_of(src, tmp_path / "m.gguf", *args)
+    run_qconv("dequantize", g, tmp_path / "back", check=0)
+    run_qconv("dequantize", CHECKPOINTS / src, tmp_path / "direct", check=0)
+    back, direct = tensors(tmp_path / "back"), tensors(tmp_path / "direct")
+    assert set(back) == set(direct)
+    for name, t in direct.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    cfg_back = json.loads((tmp_path / "back" / "config.json").read_text())
+    cfg_src = json.loads((CHECKPOINTS / src / "config.json").read_text())
+    for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings",
+                "bos_token_id", "eos_token_id"):
+        assert cfg_back[key] == cfg_src[key], key
+    assert cfg_back["rope_parameters"]["rope_theta"] == cfg_src["rope_parameters"]["rope_theta"]
+    if src == "llama-gptq-w8g128":
+        from transformers import AutoModelForCausalLM
+
+        ids = torch.tensor([[1, 5, 7, 9, 11, 13, 17, 19]])
+        with torch.no_grad():
+            a = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32)(ids).logits
+            b = AutoModelForCausalLM.from_pretrained(tmp_path / "direct", dtype=torch.float32)(ids).logits
+        assert torch.equal(a, b)
+
+
+def test_the_tokenizer_comes_back(tmp_path):
+    """tokenizer.json rebuilt from the GGUF's metadata gives the original tokenizer's ids, special tokens
+    and unknown characters included."""
+    from transformers import AutoTokenizer
+
+    g = gguf_of("llama-ct-w4a16", tmp_path / "m.gguf")
+    run_qconv("dequantize", g, tmp_path / "back", check=0)
+    ours = AutoTokenizer.from_pretrained(tmp_path / "back")
+    theirs = AutoTokenizer.from_pretrained(CHECKPOINTS / "llama-ct-w4a16")
+    for text in ["hello world, this is a test 123", "  The quick brown fox\n\njumps!", "<s>ab</s> é 漢字"]:
+        assert ours(text)["input_ids"] == theirs(text)["input_ids"], text
+    assert (ours.bos_token, ours.eos_token) == (theirs.bos_token, theirs.eos_token)
+
+
+def test_other_ggml_types_decode_as_gguf_py_decodes_them(tmp_path):
+    """A file whose Linears gguf-py's own quantizer wrote as Q5_1 (a type qconv never writes): each
+    dequantized tensor is gguf-py's decoding of it, rows un-permuted."""
+    src = gguf_of("llama-gptq-w8g128", tmp_path / "m.gguf")
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(tmp_path / "q51.gguf", "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, value, vtype, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, value, vtype)
+    expected = {}
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+            q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_1)
+            writer.add_tensor(t.name, q, raw_dtype=gguf.GGMLQuantizationType.Q5_1)
+            expected[t.name] = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q5_1)
+        else:
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    run_qconv("dequantize", tmp_path / "q51.gguf", tmp_path / "back", "--dtype", "float32", check=0)
+    back = tensors(tmp_path / "back")
+    q = back["model.layers.0.self_attn.q_proj.weight"].numpy()
+    ref = expected["blk.0.attn_q.weight"]
+    rows = ref.shape[0]
+    np.testing.assert_array_equal(q, ref.reshape(4, rows // 8, 2, -1).swapaxes(1, 2).reshape(ref.shape))
+    np.testing.assert_array_equal(back["model.layers.1.mlp.down_proj.weight"].numpy(), expected["blk.1.ffn_down.weight"])
+
+
+def test_bad_gguf_sources_are_refused_before_anything_is_written(tmp_path):
+    src = gguf_of("llama-gptq-w8g128", tmp_path / "m.gguf")
+    data = src.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) - 1000])
+    one_error(run_qconv("dequantize", tmp_path / "cut.gguf", tmp_path / "out1"), 4, "cut.gguf")
+    # an architecture qconv does not map back: refused by name
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"]
+    patched = bytearray(data)
+    start = arch.parts[-1].ctypes.data - reader.data.ctypes.data
+    patched[start:start + 5] = b"llamb"
+    (tmp_path / "other.gguf").write_bytes(bytes(patched))
+    one_error(run_qconv("dequantize", tmp_path / "other.gguf", tmp_path / "out2"), 5, "'llamb'")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf", "m.gguf", "other.gguf"]

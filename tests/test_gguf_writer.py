@@ -1,0 +1,226 @@
+"""`qconv convert SRC out.gguf --to gguf`: the producers' checkpoints into llama.cpp's GGUF, each module's
+codes kept in the block type the issue's table names, checked with llama.cpp's own reader and decoder
+(gguf-py's GGUFReader and quants.dequantize, the reference for every ggml type) against qconv's
+dequantization of the source module, which agrees bit for bit with each producer's (tests elsewhere)."""
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+
+from conftest import CHECKPOINTS, one_error, run_qconv
+
+from qconv.formats.core.reader import model_dtype, read_module, require_decodable
+from qconv.formats.storage.checkpoint import open_target
+
+# The issue's table, per fixture: (GGUF type of its Linears, codes kept). Mixed: auto-round's mixed8
+# fixture keeps 8-bit codes in two modules.
+KEPT = {
+    "llama-gptq-w8g128": {"Q8_0"},                      # 8-bit sym: qs = q - 128
+    "llama-autoround-w8g128": {"Q8_0"},
+    "llama-ct-w8a16": {"Q8_0"},
+    "llama-ct-w8a16-channel": {"Q8_0"},                 # one group per row: every block has the row's scale
+    "llama-ct-w8a8": {"Q8_0"},
+    "llama-ct-w4a16": {"Q4_0"},                         # 4-bit sym: nibble = q
+    "llama-awq-w4g64-sym": {"Q4_0"},
+    "llama-autoround-w4g128-mixed8": {"Q4_0", "Q8_0"},
+    "llama-gptq-w4g64-asym": {"Q5_0"},                  # 4-bit asym: q5 = q - z + 16
+    "llama-awq-w4g128": {"Q5_0"},
+    "llama-ct-w4a16-asym": {"Q5_0"},
+    "llama-gptq-w3g128": {"Q4_0"},                      # 2-, 3-bit: nibble = q - z + 8
+    "llama-gptq-w2g128": {"Q4_0"},
+    "llama-ct-w3a16": {"Q4_0"},
+    "llama-ct-mxfp4": {"MXFP4"},                        # e2m1 codes and e8m0 exponents as they are
+}
+
+
+def convert(src, dst, *args, check=0):
+    proc = run_qconv("convert", "--json", CHECKPOINTS / src, dst, "--to", "gguf", *args, check=check)
+    return json.loads(proc.stdout)["components"][0] if check == 0 else proc
+
+
+def unpermute(w, heads):
+    """Hugging Face row order from llama.cpp's rotary order, written here from convert_hf_to_gguf's
+    LlamaModel.permute (reshape(n_head, 2, rows / n_head / 2, ...).swapaxes(1, 2)), inverted."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_back(path, src):
+    """{hf module: float32 weight} of every quantized tensor in the GGUF, decoded by gguf-py, rows in
+    Hugging Face order; and {gguf name: ggml type name}."""
+    config = json.loads((CHECKPOINTS / src / "config.json").read_text())
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+    reader = gguf.GGUFReader(path)
+    out, types = {}, {}
+    for t in reader.tensors:
+        types[t.name] = t.tensor_type.name
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if t.name.endswith("attn_q.weight"):
+            w = unpermute(w, config["num_attention_heads"])
+        elif t.name.endswith("attn_k.weight"):
+            w = unpermute(w, config["num_key_value_heads"])
+        out[t.name] = w
+    return reader, out, types, names
+
+
+def source_weights(src):
+    comp = open_target(CHECKPOINTS / src).components[0]
+    det = require_decodable(comp)
+    dtype = model_dtype(comp, det)
+    return {m.name: read_module(comp, det, m, dtype).dequantize() for m in det.modules}
+
+
+@pytest.mark.parametrize("src", sorted(KEPT))
+def test_codes_kept_decode_to_the_source(tmp_path, src):
+    """Every Linear is written in its table's type with its codes kept, and llama.cpp's decoder gives back
+    exactly the source's dequantized weight (no rounding anywhere: the scales are float16 already)."""
+    comp = convert(src, tmp_path / "m.gguf")
+    assert comp["codes_kept"] == comp["modules"] == 14 and comp["requantized"] == 0
+    assert comp["scales_rounded"] == 0
+    _, back, types, _ = read_back(tmp_path / "m.gguf", src)
+    kept = {e["tensor"]: e for e in comp["gguf_tensors"] if e["codes"] is not None}
+    assert {types[t] for t in kept} == KEPT[src]
+    ref = source_weights(src)
+    assert len(kept) == len(ref) == 14
+    for name, entry in kept.items():
+        assert entry["codes"] == "kept"
+        np.testing.assert_array_equal(back[name], ref[entry["source"]], err_msg=name)
+
+
+def test_bnb8_keeps_codes_and_rounds_only_d(tmp_path):
+    """LLM.int8: qs = CB, d = SCB / 127 in float16 (the table's only rounding): every weight is within
+    the reported scale rounding of bitsandbytes' own (CB * SCB) / 127, and the rounding is said."""
+    comp = convert("llama-bnb8", tmp_path / "m.gguf")
+    assert comp["codes_kept"] == 14 and comp["scales_rounded"] > 0
+    assert 0 < comp["max_scale_rel_error"] <= 2.0 ** -11
+    _, back, types, _ = read_back(tmp_path / "m.gguf", "llama-bnb8")
+    ref = source_weights("llama-bnb8")
+    for e in comp["gguf_tensors"]:
+        if e["codes"]:
+            assert types[e["tensor"]] == "Q8_0"
+            w, r = back[e["tensor"]], ref[e["source"]]
+            assert np.all(np.abs(w - r) <= comp["max_scale_rel_error"] * np.abs(r) * (1 + 1e-6) + 1e-30)
+            # the codes themselves: CB, exactly (sign of every weight and its ratio to the row's d)
+            assert np.array_equal(np.sign(w), np.sign(r))
+
+
+def test_q4_1_keeps_codes_and_rounds_the_minimum(tmp_path):
+    """--gguf-asym q4_1: nibble = q, m = -s z in float16: smaller than Q5_0, the minimum's rounding
+    reported as scale rounding, every weight within it of the source."""
+    comp = convert("llama-gptq-w4g64-asym", tmp_path / "m.gguf", "--gguf-asym", "q4_1")
+    assert comp["codes_kept"] == 14 and comp["gguf_types"]["Q4_1"] == 14
+    _, back, _, _ = read_back(tmp_path / "m.gguf", "llama-gptq-w4g64-asym")
+    ref = source_weights("llama-gptq-w4g64-asym")
+    worst = max(float(np.abs(back[e["tensor"]] - ref[e["source"]]).max()) for e in comp["gguf_tensors"] if e["codes"])
+    assert 0 < worst < 1e-3
+    assert (tmp_path / "m.gguf").stat().st_size < convert("llama-gptq-w4g64-asym", tmp_path / "q5.gguf")["bytes_written"]
+
+
+@pytest.mark.parametrize("src, to, reason", [
+    ("llama-gptq-w4g128-actorder", "Q4_0", "act-order groups split a 32-weight block"),
+    ("llama-bnb4-nf4-dq", "Q4_0", "nf4 codes are not integers"),
+    ("llama-fp8-block", "Q8_0", "e4m3 codes are not integers"),
+    ("llama-fp16", "Q8_0", "float16 weights quantized data-free (no calibration data)"),
+])
+def test_what_cannot_be_kept_is_requantized_with_its_error(tmp_path, src, to, reason):
+    """Sources whose codes no block holds are requantized from their exact weights to the type the table
+    names, each layer's error reported (and below round-to-nearest's), and --validate reads the file back
+    through gguf-py against the source within that error."""
+    comp = convert(src, tmp_path / "m.gguf", "--validate")
+    assert comp["requantized"] == comp["modules"] == 14 and comp["validation"]["ok"]
+    assert {r["reason"] for r in comp["layers"]} == {reason}
+    assert {r["to"] for r in comp["layers"]} == {to}
+    assert all(0 < r["rel_frobenius"] <= r["rtn_rel_frobenius"] < 0.3 for r in comp["layers"])
+
+
+def test_float_options(tmp_path):
+    """A float model: --bits 4 gives Q4_0; --gguf-float keeps every Linear as the model's float16, byte
+    for byte the source's values."""
+    comp = convert("llama-fp16", tmp_path / "q4.gguf", "--bits", "4")
+    assert set(comp["gguf_types"]) == {"Q4_0", "F16", "F32"}
+    comp = convert("llama-fp16", tmp_path / "f.gguf", "--gguf-float")
+    assert set(comp["gguf_types"]) == {"F16", "F32"} and comp["requantized"] == 0
+    _, back, _, _ = read_back(tmp_path / "f.gguf", "llama-fp16")
+    from safetensors.numpy import load_file
+
+    src = load_file(CHECKPOINTS / "llama-fp16" / "model.safetensors")
+    np.testing.assert_array_equal(back["blk.1.attn_q.weight"], src["model.layers.1.self_attn.q_proj.weight"])
+    np.testing.assert_array_equal(back["token_embd.weight"], src["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(back["output_norm.weight"], src["model.norm.weight"])
+
+
+def test_metadata_is_what_llama_cpp_reads(tmp_path):
+    """Hyperparameters from config.json, the tokenizer from tokenizer.json padded to vocab_size, as
+    convert_hf_to_gguf writes them."""
+    convert("llama-gptq-w8g128", tmp_path / "m.gguf")
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+
+    def value(key):
+        return reader.fields[key].contents()
+
+    config = json.loads((CHECKPOINTS / "llama-gptq-w8g128" / "config.json").read_text())
+    tok = json.loads((CHECKPOINTS / "llama-gptq-w8g128" / "tokenizer.json").read_text())
+    assert value("general.architecture") == "llama"
+    assert value("llama.block_count") == config["num_hidden_layers"]
+    assert value("llama.attention.head_count_kv") == config["num_key_value_heads"]
+    assert value("llama.rope.freq_base") == config["rope_parameters"]["rope_theta"]
+    assert value("general.file_type") == 7                       # LLAMA_FTYPE_MOSTLY_Q8_0
+    tokens = value("tokenizer.ggml.tokens")
+    assert len(tokens) == config["vocab_size"] == 512
+    assert tokens[:len(tok["model"]["vocab"])] == sorted(tok["model"]["vocab"], key=tok["model"]["vocab"].get)
+    assert tokens[-1] == "[PAD511]" and value("tokenizer.ggml.token_type")[-1] == 5
+    assert value("tokenizer.ggml.model") == "gpt2" and value("tokenizer.ggml.pre") == "gpt-2"
+    assert value("tokenizer.ggml.bos_token_id") == 1 and value("tokenizer.ggml.eos_token_id") == 2
+    assert len(value("tokenizer.ggml.merges")) == len(tok["model"]["merges"])
+
+
+def test_output_is_deterministic(tmp_path):
+    convert("llama-gptq-w4g64-asym", tmp_path / "a.gguf")
+    convert("llama-gptq-w4g64-asym", tmp_path / "b.gguf")
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+
+
+def test_split_files(tmp_path):
+    """Past --max-shard-size, llama.cpp's split files (-00001-of-0000N.gguf), each a GGUF with its split
+    keys, every tensor in one of them."""
+    comp = convert("llama-gptq-w8g128", tmp_path / "m.gguf", "--max-shard-size", "400KB")
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == comp["shards"] and len(files) > 1 and files[0] == f"m-00001-of-{len(files):05d}.gguf"
+    names = [t.name for f in files for t in gguf.GGUFReader(tmp_path / f).tensors]
+    assert len(names) == len(set(names)) == comp["tensors"]
+
+
+@pytest.mark.parametrize("src, needles", [
+    ("qwen3moe-fp8-block", ("model_type 'qwen3_moe'", "nothing written")),
+    ("qwen3vl-bf16", ("model_type 'qwen3_vl'",)),
+])
+def test_unmapped_models_are_refused(tmp_path, src, needles):
+    proc = convert(src, tmp_path / "m.gguf", check=5)
+    one_error(proc, 5, *needles)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_destination_rules(tmp_path):
+    one_error(convert("llama-gptq-w8g128", tmp_path / "m", check=2), 2, ".gguf")
+    (tmp_path / "m.gguf").write_bytes(b"keep")
+    one_error(convert("llama-gptq-w8g128", tmp_path / "m.gguf", check=6), 6, "--overwrite")
+    assert (tmp_path / "m.gguf").read_bytes() == b"keep"
+    convert("llama-gptq-w8g128", tmp_path / "m.gguf", "--overwrite")
+    assert gguf.GGUFReader(tmp_path / "m.gguf").tensors
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]       # no temporary folder left
+
+
+def test_validate_catches_a_wrong_row_order(tmp_path, monkeypatch):
+    """Negative control: with llama's q / k permutation left out, --validate (which reads the file back
+    through gguf-py and undoes the permutation) fails and nothing is written."""
+    from qconv.convert import to_gguf
+    from qconv.errors import ValidationFailed
+
+    monkeypatch.setattr(to_gguf.codec, "permute_rows", lambda blocks, heads: blocks)
+    from qconv.convert.convert import Options
+
+    with pytest.raises(ValidationFailed, match=r"attn_[qk]\.weight"):
+        to_gguf.convert_to_gguf(CHECKPOINTS / "llama-gptq-w8g128", tmp_path / "m.gguf", Options("gguf"), validate=True)
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,142 @@
+"""llama.cpp itself (llama-cpp-python 0.3.36 in .venv-llamacpp, built for a generic CPU by `bin/setup
+llamacpp`) as the consumer of `qconv convert --to gguf`: every GGUF qconv writes from the fixtures loads
+and runs, and its next-token log-probabilities agree with those transformers computes from the float
+model qconv dequantizes from the same source (where codes are kept), or from the GGUF itself (`qconv
+dequantize out.gguf`, where modules were requantized and so the file holds another model) (tests/consumers/llamacpp_logits.py runs llama.cpp, each
+file in a subprocess of its own, so a crash is told from a wrong answer).
+
+Why the bounds. llama.cpp's CPU matmuls quantize activations to 8-bit blocks for every quantized weight
+type (Q8_0's vec_dot pairs), which the float run does not, so this is not an allclose. Measured on the
+tiny fixtures (2 layers, vocab 512, 12 positions, log-probabilities over the float run's top 5 tokens;
+llama.cpp is deterministic here, the same numbers on every rerun): code-kept files differ from their float
+model by 0.012 to 0.046 (Q4_1's float16 minimum the largest), requantized ones from theirs by 0.012 to
+0.018, a float GGUF by 0.0015; a layout error (llama's q / k rows left in Hugging Face order in ONE
+tensor kind, the negative control) by 0.70, with 6 of 12 top-1 tokens changed. TOLERANCE = 0.1 lies
+2x above the worst legitimate difference and 7x below the control.
+"""
+
+import json
+import shutil
+import subprocess
+
+import gguf
+import numpy as np
+import pytest
+
+from conftest import CHECKPOINTS, REPO, run_qconv
+
+LLAMA_PYTHON = REPO / ".venv-llamacpp" / "bin" / "python"
+SCRIPT = REPO / "tests" / "consumers" / "llamacpp_logits.py"
+
+pytestmark = [pytest.mark.llamacpp, pytest.mark.consumer(LLAMA_PYTHON, "llama.cpp's Python bindings (.venv-llamacpp)")]
+
+IDS = [1, 5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37]      # the fixtures' oracle prompt (oracle/logits.safetensors)
+TOLERANCE = 0.1
+
+# (case, fixture, extra convert arguments, whether every code is kept)
+CASES = [
+    ("gptq-w8-q8_0", "llama-gptq-w8g128", (), True),
+    ("bnb8-q8_0", "llama-bnb8", (), True),
+    ("ct-w8a8-q8_0", "llama-ct-w8a8", (), True),
+    ("ct-w4a16-q4_0", "llama-ct-w4a16", (), True),
+    ("awq-sym-q4_0", "llama-awq-w4g64-sym", (), True),
+    ("gptq-asym-q5_0", "llama-gptq-w4g64-asym", (), True),
+    ("awq-q5_0", "llama-awq-w4g128", (), True),
+    ("gptq-asym-q4_1", "llama-gptq-w4g64-asym", ("--gguf-asym", "q4_1"), True),
+    ("gptq-w3-q4_0", "llama-gptq-w3g128", (), True),
+    ("gptq-w2-q4_0", "llama-gptq-w2g128", (), True),
+    ("autoround-mixed", "llama-autoround-w4g128-mixed8", (), True),
+    ("ct-mxfp4", "llama-ct-mxfp4", (), True),
+    ("gptq-actorder-requant", "llama-gptq-w4g128-actorder", (), False),
+    ("fp16-data-free-q8_0", "llama-fp16", (), False),
+    ("fp16-float", "llama-fp16", ("--gguf-float",), True),
+]
+
+
+def log_softmax(x):
+    x = np.asarray(x, np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def float_logits(folder):
+    """transformers' logits of the float model at `folder`, in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([IDS])).logits[0].numpy()
+
+
+def compare(got, ref) -> dict:
+    """max |log-prob difference| over each position's float top-5; top-1 agreement; and the top-1 flips
+    that are not near-ties (the float run's gap between its top token and llama.cpp's exceeds TOLERANCE):
+    this tiny random model has positions whose two best tokens are 0.00x apart."""
+    a, b = log_softmax(got), log_softmax(ref)
+    top = np.argsort(-b, axis=1)[:, :5]
+    diff = np.abs(np.take_along_axis(a, top, 1) - np.take_along_axis(b, top, 1)).max()
+    ours, theirs = a.argmax(1), b.argmax(1)
+    rows = np.arange(len(ours))
+    gaps = b[rows, theirs] - b[rows, ours]
+    return {"max_abs_logprob_diff": float(diff), "top1": float((ours == theirs).mean()),
+            "real_flips": int((gaps > TOLERANCE).sum())}
+
+
+def unpermuted_copy(path, dst):
+    """The negative control: a copy of a GGUF whose attn_q rows are put back in Hugging Face order,
+    as a converter that forgot llama's rotary permutation would write them."""
+    shutil.copy(path, dst)
+    reader = gguf.GGUFReader(dst, "r+")
+    heads = int(reader.fields["llama.attention.head_count"].contents())
+    for t in reader.tensors:
+        if t.name.endswith("attn_q.weight"):
+            rows = t.data.shape[0]
+            t.data[:] = t.data.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(t.data.shape)
+    reader.data.flush()
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("llamacpp")
+    files, refs = {}, {}
+    for case, src, args, kept in CASES:
+        files[case] = tmp / f"{case}.gguf"
+        run_qconv("convert", CHECKPOINTS / src, files[case], "--to", "gguf", *args, check=0)
+        if not kept:                # requantized: the float model of what the file holds (qconv reads GGUF back)
+            run_qconv("dequantize", files[case], tmp / f"{case}-float", check=0)
+            refs[case] = float_logits(tmp / f"{case}-float")
+        elif src not in refs:       # codes kept: the float model of the source itself
+            run_qconv("dequantize", CHECKPOINTS / src, tmp / f"{src}-float", check=0)
+            refs[src] = float_logits(tmp / f"{src}-float")
+    files["control-qk-order"] = tmp / "control.gguf"
+    unpermuted_copy(files["gptq-w8-q8_0"], files["control-qk-order"])
+    out = tmp / "result.json"
+    proc = subprocess.run([str(LLAMA_PYTHON), str(SCRIPT), "--ids", ",".join(map(str, IDS)), "--out", str(out),
+                           *map(str, files.values())], capture_output=True, text=True, timeout=1800,
+                          stdin=subprocess.DEVNULL)
+    assert out.is_file(), proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    sources = {case: src if kept else case for case, src, _, kept in CASES} | {"control-qk-order": "llama-gptq-w8g128"}
+    table = {}
+    for case, path in files.items():
+        entry = result[str(path)]
+        table[case] = entry if "logits" not in entry else {
+            **compare(np.array(entry["logits"]), refs[sources[case]]), "arch": entry["arch"]}
+    print(json.dumps({k: {kk: v for kk, v in e.items() if kk != "stderr"} for k, e in table.items()}, indent=1))
+    return table
+
+
+@pytest.mark.parametrize("case, src, args, kept", CASES, ids=[c[0] for c in CASES])
+def test_llama_cpp_runs_qconvs_gguf(case, src, args, kept, report):
+    entry = report[case]
+    assert "error" not in entry, f"llama.cpp did not run {case}: {entry.get('error')} {entry.get('stderr', '')[-500:]}"
+    assert entry["arch"] == "llama"
+    assert entry["max_abs_logprob_diff"] <= TOLERANCE, entry
+    assert entry["real_flips"] == 0, entry
+
+
+def test_negative_control_a_wrong_row_order_is_caught(report):
+    entry = report["control-qk-order"]
+    assert "error" not in entry, entry
+    assert entry["max_abs_logprob_diff"] > TOLERANCE, entry
