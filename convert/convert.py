@@ -639,7 +639,7 @@ def _check_source(comp: Component, det: Detection, opts: Options) -> list[QuantM
                                 f"only {METHOD_NAMES[opts.source]} checkpoints (use `qconv convert --to "
                                 f"{opts.to}` for other sources)", file=where)
     if det.modules or opts.to in FLOAT_TARGETS:
-        if opts.to in FLOAT_TARGETS + ("gguf",) or registered_target(opts.to).caps.fused_experts:
+        if opts.to in FLOAT_TARGETS or registered_target(opts.to).caps.fused_experts:
             return list(det.modules)
         return [v for m in det.modules for v in (_split_experts(comp, m, opts) if m.experts else [m])]
     modules = _data_free_modules(comp, opts)

@@ -43,17 +43,27 @@ def full_metadata(path: Path, header: GGUFHeader) -> dict:
     return out
 
 
-def _decoded(path: Path, t, hf_name: str, config: dict, code: str, permute: bool):
+def _decoded(path: Path, t, hf_name: str, config: dict, code: str, permute: bool) -> list[OutTensor]:
+    """The tensor's Hugging Face tensors: itself, or for llama.cpp's stacked experts [E, out, in] one
+    ``experts.N.proj`` tensor per expert, each decoded from its own rows."""
+    shape = tuple(reversed(t.shape))                  # numpy order: [out, in] (experts: [E, out, in])
+    if len(shape) == 3 and ".experts." in hf_name:
+        return [_rows(path, t, hf_name.replace(".experts.", f".experts.{e}."), config, code, permute, shape[1:],
+                      e * t.nbytes // shape[0], t.nbytes // shape[0]) for e in range(shape[0])]
+    return [_rows(path, t, hf_name, config, code, permute, shape, 0, t.nbytes)]
+
+
+def _rows(path: Path, t, hf_name: str, config: dict, code: str, permute: bool, shape: tuple, start: int,
+          nbytes: int) -> OutTensor:
     import gguf
 
-    shape = tuple(reversed(t.shape))                  # numpy order: [out, in]
     heads = garch.heads_of(config, hf_name) if permute else None
 
     def chunks():
         with open_regular(path) as f:
-            f.seek(t.offset)
-            raw = f.read(t.nbytes)
-        if len(raw) != t.nbytes:
+            f.seek(t.offset + start)
+            raw = f.read(nbytes)
+        if len(raw) != nbytes:
             raise CorruptCheckpoint("file ended while reading the tensor: truncated", file=path, tensor=t.name)
         data = np.frombuffer(raw, np.uint8)
         qtype = gguf.GGMLQuantizationType(t.type)
@@ -61,7 +71,7 @@ def _decoded(path: Path, t, hf_name: str, config: dict, code: str, permute: bool
             w = gguf.quants.dequantize(data.view({0: np.float32, 1: np.float16, 30: np.uint8}[t.type])
                                        if t.type != 30 else data, qtype)
         else:
-            w = gguf.quants.dequantize(data.reshape(-1, t.nbytes // max(1, int(np.prod(shape[:-1])))), qtype)
+            w = gguf.quants.dequantize(data.reshape(-1, nbytes // max(1, int(np.prod(shape[:-1])))), qtype)
         w = np.asarray(w, np.float32).reshape(shape)
         if not np.all(np.isfinite(w)):
             raise CorruptCheckpoint("decodes to non-finite weights (NaN or infinity)", file=path, tensor=t.name)
@@ -86,7 +96,7 @@ def dequantize_gguf(src: Path, dst: Path, *, dtype: str | None = None, overwrite
     config = garch.config_from(meta, src)
     arch = garch.ARCHS[config["model_type"]]
     names = {}
-    for hf in garch.hf_tensor_names(config):
+    for hf in garch.hf_tensor_names(config, arch):
         names[garch.gguf_name(hf, arch, config["num_hidden_layers"], src)] = hf
     tensors = []
     types = {t.type_name for t in header.tensors}
@@ -96,7 +106,7 @@ def dequantize_gguf(src: Path, dst: Path, *, dtype: str | None = None, overwrite
         if t.name not in names:
             raise UnsupportedFormat(f"has no Hugging Face name in qconv's {arch.name} mapping; nothing written",
                                     file=src, tensor=t.name)
-        tensors.append(_decoded(src, t, names[t.name], config, code, arch.permute_qk))
+        tensors.extend(_decoded(src, t, names[t.name], config, code, arch.permute_qk))
     if "lm_head.weight" not in {t.name for t in tensors}:
         config["tie_word_embeddings"] = True
     config["dtype"] = model_dtype

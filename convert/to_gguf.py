@@ -14,7 +14,8 @@ Float tensors are stored as llama.cpp's converter stores them by default: 1-D (n
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -27,7 +28,7 @@ from ..formats.gguf import arch as garch
 from ..formats.gguf import codec
 from ..formats.storage.checkpoint import Component, open_target
 from ..formats.storage.tensor_io import FLOAT_CODES, encode_float, read_array
-from .convert import Options, Stats, Tally, _check_source, _exact_weights, _read_float, _source_spec
+from .convert import Options, Stats, Tally, _check_source, _exact_weights, _read_float, _source_spec, _split_experts
 from .engine import DEFAULT_MAX_SHARD, plain_chunks
 from .requantize import requantize
 from .staging import staged_output
@@ -43,8 +44,10 @@ class _Out:
     dtype: type
     nbytes: int
     chunks: Callable                 # () -> arrays, in order
-    source: str                      # the Hugging Face tensor or module
+    source: str                      # the Hugging Face tensor or module ("...experts.{}.proj": stacked experts)
     kept: bool | None = None         # quantized modules: codes kept (None: a float tensor)
+    stored_float: bool = False       # a module stored as float (--gguf-float)
+    experts: int = 0                 # stacked experts (llama.cpp's *_exps): one module per expert, in order
 
 
 def _g_idx(comp: Component, m: QuantModule):
@@ -61,10 +64,9 @@ def _g_idx(comp: Component, m: QuantModule):
     return None
 
 
-def _module_out(comp, det, m: QuantModule, opts: Options, arch, n_blocks: int, src_dtype: str,
-                tally: Tally) -> _Out:
+def _natural_type(comp, det, m: QuantModule, opts: Options, src_dtype: str) -> tuple[str | None, str | None]:
+    """(GGUF type, reason its codes are not kept) of one module (codec.gguf_type, then --bits)."""
     where = comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else comp.path
-    name = garch.gguf_name(m.name + ".weight", arch, n_blocks, where)
     src_spec = _source_spec(comp, det, m, src_dtype)
     if m.family == "float":
         if m.in_features % codec.QK:
@@ -80,8 +82,16 @@ def _module_out(comp, det, m: QuantModule, opts: Options, arch, n_blocks: int, s
         if type_name and opts.bits is not None and codec.requant_settings(type_name)[0] != opts.bits and type_name != "MXFP4":
             type_name = "Q4_0" if opts.bits == 4 else "Q8_0"
             reason = reason or f"{src_spec.bits}-bit codes become {opts.bits}-bit (--bits {opts.bits})"
+    return type_name, reason
+
+
+def _module_out(comp, det, m: QuantModule, opts: Options, arch, name: str, src_dtype: str, tally: Tally,
+                typed: tuple[str | None, str | None], as_float: bool = False) -> _Out:
+    """One module's output tensor: its blocks in the type planned (typed: (type, reason its codes are not
+    kept)), or with as_float its exact weights in the model's dtype (--gguf-float)."""
+    type_name, reason = typed
     heads = garch.heads_of(comp.config, m.name + ".weight") if arch.permute_qk else None
-    if opts.gguf_float and reason:                    # stored as float, in the model's dtype
+    if as_float:                                      # stored as float, in the model's dtype
         return _dequantized_out(comp, det, m, name, src_dtype, heads)
     out, inp = m.out_features, m.in_features
     row = codec.row_bytes(type_name, inp)
@@ -128,7 +138,7 @@ def _dequantized_out(comp, det, m: QuantModule, name: str, src_dtype: str, heads
 
     n = m.out_features * m.in_features
     return _Out(name, type_name, (m.out_features, m.in_features), np_dtype, n * np.dtype(np_dtype).itemsize, chunks,
-                m.name, kept=None)
+                m.name, kept=None, stored_float=True)
 
 
 def _float_out(comp: Component, info, arch, n_blocks: int, where) -> _Out | None:
@@ -138,7 +148,10 @@ def _float_out(comp: Component, info, arch, n_blocks: int, where) -> _Out | None
     if info.dtype not in _FLOAT_GGML:
         raise UnsupportedFormat(f"is {info.dtype}, which qconv does not write to GGUF as it is", file=info.file,
                                 tensor=info.name)
-    code = "F32" if len(info.shape) == 1 else info.dtype
+    # as convert_hf_to_gguf stores them: 1-D tensors, norms, the MoE router and biases as F32
+    f32 = len(info.shape) == 1 or name.endswith("_norm.weight") or ".ffn_gate_inp." in name \
+        or not name.endswith(".weight")
+    code = "F32" if f32 else info.dtype
     np_dtype, type_name = _FLOAT_GGML[code]
     heads = garch.heads_of(comp.config, info.name) if arch.permute_qk else None
     n = int(np.prod(info.shape, dtype=np.int64))
@@ -154,20 +167,67 @@ def _float_out(comp: Component, info, arch, n_blocks: int, where) -> _Out | None
     return _Out(name, type_name, tuple(info.shape), np_dtype, n * np.dtype(np_dtype).itemsize, chunks, info.name)
 
 
+def modules_of(comp: Component, det, opts: Options) -> list[QuantModule]:
+    """The Linears written as blocks: the source's quantized modules (fused MoE experts split into one
+    module per expert, as convert splits them), or an unquantized source's decoder Linears (data-free)."""
+    if not det.modules:
+        return _check_source(comp, det, opts)
+    return [v for m in det.modules for v in (_split_experts(comp, m, opts) if m.experts else [m])]
+
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.([a-z_]+)$")
+
+
+def _stacked(comp, det, group: list[QuantModule], opts: Options, arch, name: str, src_dtype: str,
+             tally: Tally) -> _Out:
+    """One llama.cpp *_exps tensor [experts, out, in]: the experts' modules one after another, in one
+    type. Where their own types differ, the minority is requantized to the majority's type."""
+    typed = [_natural_type(comp, det, m, opts, src_dtype) for m in group]
+    as_float = opts.gguf_float and any(reason for _, reason in typed)
+    kinds = [t for t, _ in typed]
+    common = max(sorted(set(kinds), key=str), key=kinds.count)
+    outs = []
+    for m, (t, reason) in zip(group, typed):
+        if t != common and not as_float:
+            t, reason = common, f"the experts stacked in {name} share one type ({common})"
+        outs.append(_module_out(comp, det, m, opts, arch, name, src_dtype, tally, (t, reason), as_float))
+    first = outs[0]
+
+    def chunks():
+        for o in outs:
+            yield from o.chunks()
+
+    kept = None if as_float else all(o.kept for o in outs)
+    pattern = _EXPERT.sub(r"\1.{}.\3", group[0].name)
+    return _Out(name, first.type_name, (len(outs), *first.shape), first.dtype, sum(o.nbytes for o in outs), chunks,
+                pattern, kept=kept, stored_float=as_float, experts=len(outs))
+
+
 def plan(comp: Component, opts: Options, tally: Tally) -> tuple[object, list[_Out], list]:
     det = require_decodable(comp)
-    where = comp.files[0] if comp.files else comp.path
     arch = garch.arch_of(comp.config, comp.path)
-    if any(m.experts for m in det.modules):
-        raise UnsupportedFormat("holds fused MoE experts, which qconv does not yet write to GGUF; nothing written",
-                                file=where)
-    modules = _check_source(comp, det, opts)
+    modules = modules_of(comp, det, opts)
     n_blocks = int(comp.config["num_hidden_layers"])
     src_dtype = model_dtype(comp, det)
-    outs, claimed = [], set(det.claimed_tensors)
+    outs, claimed, stacks = [], set(det.claimed_tensors), {}
     for m in modules:
         claimed.update(m.weight_tensors)
-        outs.append(_module_out(comp, det, m, opts, arch, n_blocks, src_dtype, tally))
+        where = comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else comp.path
+        expert = _EXPERT.match(m.name)
+        if expert and arch.moe:
+            stacks.setdefault(f"{expert[1]}.{expert[3]}", {})[int(expert[2])] = m
+            continue
+        name = garch.gguf_name(m.name + ".weight", arch, n_blocks, where)
+        typed = _natural_type(comp, det, m, opts, src_dtype)
+        outs.append(_module_out(comp, det, m, opts, arch, name, src_dtype, tally, typed,
+                                as_float=bool(opts.gguf_float and typed[1])))
+    for stem, by_index in stacks.items():
+        group = [by_index[i] for i in sorted(by_index)]
+        if sorted(by_index) != list(range(len(group))) or len(group) != garch.experts(comp.config):
+            raise UnsupportedFormat(f"holds experts {sorted(by_index)[:8]}... of {stem}, not 0..{garch.experts(comp.config) - 1} "
+                                    f"as llama.cpp stacks them", file=comp.path, tensor=stem)
+        name = garch.gguf_name(stem + ".weight", arch, n_blocks, comp.path)
+        outs.append(_stacked(comp, det, group, opts, arch, name, src_dtype, tally))
     for name, info in sorted(comp.tensors.items(), key=lambda kv: natural_key(kv[0])):
         if name not in claimed:
             o = _float_out(comp, info, arch, n_blocks, info.file)
@@ -249,10 +309,18 @@ def write(comp: Component, path: Path, opts: Options, max_shard: int) -> dict:
             written += n
     writer.close()
     summary = tally.summary()
-    tensors = [{"tensor": o.name, "source": o.source, "type": o.type_name,
-                "codes": None if o.kept is None else ("kept" if o.source not in
-                                                     {r["module"] for r in summary["layers"]} else "requantized")}
-               for o in outs]
+    requantized = {r["module"] for r in summary["layers"]}
+
+    def codes(o: _Out) -> str | None:
+        if o.stored_float:
+            return "float"
+        if o.kept is None:
+            return None
+        parts = [o.source.format(i) for i in range(o.experts)] if o.experts else [o.source]
+        return "requantized" if any(p in requantized for p in parts) else "kept"
+
+    tensors = [{"tensor": o.name, "source": o.source, "type": o.type_name, "codes": codes(o),
+                **({"experts": o.experts} if o.experts else {})} for o in outs]
     by_type: dict[str, int] = {}
     for o in outs:
         by_type[o.type_name] = by_type.get(o.type_name, 0) + 1
@@ -297,7 +365,8 @@ def check(comp: Component, files: list[Path], report: dict, shown: Path) -> dict
 
     det = require_decodable(comp)
     src_dtype = model_dtype(comp, det)
-    modules = {m.name: m for m in _check_source(comp, det, Options("gguf"))}
+    modules = {m.name: m for m in modules_of(comp, det, Options("gguf"))}
+    permute = garch.arch_of(comp.config, comp.path).permute_qk
     stored = {}
     for f in files:
         for t in gguf.GGUFReader(f).tensors:
@@ -311,30 +380,47 @@ def check(comp: Component, files: list[Path], report: dict, shown: Path) -> dict
             raise ValidationFailed(f"validation failed, nothing written: tensor {entry['tensor']!r} is missing",
                                    file=shown)
         got = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
-        heads = garch.heads_of(comp.config, entry["source"] + ("" if entry["source"] in comp.tensors else ".weight"))
-        m = modules.get(entry["source"])
-        if m is not None:
-            source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
-            ref = _exact_weights(comp, m, source)
-        else:
-            info = comp.tensors[entry["source"]]
-            ref = to_float32(read_array(info), info.dtype)
-        got = got.reshape(ref.shape)
-        if heads and garch.ARCHS[comp.config["model_type"]].permute_qk:
-            got = codec.unpermute_rows(got, heads)
-        diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
-        if entry["codes"] == "requantized":
-            norm = float(np.linalg.norm(ref.astype(np.float64)))
-            rel = float(np.linalg.norm(diff)) / norm if norm else 0.0
-            ok = rel <= errors[entry["source"]] * (1 + 1e-5) + 1e-6      # the report rounds to 6 places
-            why = f"relative error {rel:.3g}, convert reported {errors[entry['source']]:.3g}"
-        else:
-            tol = (bound + 2.0 ** -21) * np.abs(ref.astype(np.float64)) + 2.0 ** -25 if entry["codes"] == "kept" else 0
-            ok = bool(np.all(diff <= tol))
-            why = f"largest difference {float(diff.max(initial=0)):.3g}"
-        if not ok:
-            raise ValidationFailed(f"validation failed, nothing written: {entry['tensor']} ({entry['source']}) does not "
-                                   f"read back as the source: {why}", file=shown)
-        checked += 1
-    return {"ok": True, "layers": checked, "device": "cpu", "reader": f"gguf-py {gguf.__version__}"
-            if hasattr(gguf, "__version__") else "gguf-py"}
+        n = entry.get("experts", 0)
+        parts = [entry["source"].format(i) for i in range(n)] if n else [entry["source"]]
+        got = got.reshape(max(n, 1), -1, got.shape[-1])
+        for part, w in zip(parts, got):
+            why = _mismatch(comp, det, modules, part, w, entry, errors, bound, src_dtype, permute)
+            if why:
+                raise ValidationFailed(f"validation failed, nothing written: {entry['tensor']} ({part}) does not "
+                                       f"read back as the source: {why}", file=shown)
+            checked += 1
+    return {"ok": True, "layers": checked, "device": "cpu", "reader": "gguf-py (GGUFReader, quants.dequantize)"}
+
+
+def _mismatch(comp, det, modules, part: str, got: np.ndarray, entry: dict, errors: dict, bound: float,
+              src_dtype: str, permute: bool) -> str | None:
+    """Why one module's (or float tensor's) weights as read back from the GGUF are not what was written
+    from the source; None where they are (check)."""
+    from ..formats.storage.tensor_io import to_float32
+
+    m = modules.get(part)
+    if m is not None:
+        source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
+        ref = _exact_weights(comp, m, source)
+        heads = garch.heads_of(comp.config, part + ".weight") if permute else None
+    else:
+        info = comp.tensors[part]
+        ref = to_float32(read_array(info), info.dtype)
+        heads = garch.heads_of(comp.config, part) if permute else None
+    got = got.reshape(ref.shape)
+    if heads:
+        got = codec.unpermute_rows(got, heads)
+    if entry["codes"] == "float":                     # the exact weights in the model's dtype
+        code = FLOAT_CODES[src_dtype]
+        ref = to_float32(encode_float(np.ascontiguousarray(ref, np.float32), code), code)
+    diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
+    if part in errors:                                # requantized: the error convert reported
+        norm = float(np.linalg.norm(ref.astype(np.float64)))
+        rel = float(np.linalg.norm(diff)) / norm if norm else 0.0
+        if rel > errors[part] * (1 + 1e-5) + 1e-6:     # the report rounds to 6 places
+            return f"relative error {rel:.3g}, convert reported {errors[part]:.3g}"
+        return None
+    tol = (bound + 2.0 ** -21) * np.abs(ref.astype(np.float64)) + 2.0 ** -25 if entry["codes"] == "kept" else 0
+    if not np.all(diff <= tol):
+        return f"largest difference {float(diff.max(initial=0)):.3g}"
+    return None

@@ -27,12 +27,12 @@ def gguf_of(src, path, *args):
 
 
 @pytest.mark.parametrize("src", ["llama-gptq-w8g128", "llama-gptq-w4g64-asym", "llama-awq-w4g128",
-                                 "llama-gptq-w3g128", "llama-ct-mxfp4", "llama-fp16"])
+                                 "llama-gptq-w3g128", "llama-ct-mxfp4", "llama-fp16", "qwen3moe-bf16"])
 def test_a_code_kept_gguf_dequantizes_to_the_sources_float_model(tmp_path, src):
     """Through GGUF and back, every tensor has the values `qconv dequantize` gives for the source itself
     (the codes were kept, q / k rows are put back), the config holds the source's architecture, and
     transformers' logits of the two folders are equal."""
-    args = ("--gguf-float",) if src == "llama-fp16" else ()
+    args = ("--gguf-float",) if src in ("llama-fp16", "qwen3moe-bf16") else ()
     g = gguf_of(src, tmp_path / "m.gguf", *args)
     run_qconv("dequantize", g, tmp_path / "back", check=0)
     run_qconv("dequantize", CHECKPOINTS / src, tmp_path / "direct", check=0)
@@ -42,9 +42,14 @@ def test_a_code_kept_gguf_dequantizes_to_the_sources_float_model(tmp_path, src):
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
     cfg_back = json.loads((tmp_path / "back" / "config.json").read_text())
     cfg_src = json.loads((CHECKPOINTS / src / "config.json").read_text())
-    for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings",
-                "bos_token_id", "eos_token_id"):
+    keys = ["model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps",
+            "max_position_embeddings", "tie_word_embeddings"]
+    if cfg_src["model_type"] == "qwen3_moe":
+        keys += ["num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]
+    else:
+        keys += ["bos_token_id", "eos_token_id"]
+    for key in keys:
         assert cfg_back[key] == cfg_src[key], key
     assert cfg_back["rope_parameters"]["rope_theta"] == cfg_src["rope_parameters"]["rope_theta"]
     if src == "llama-gptq-w8g128":

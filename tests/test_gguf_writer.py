@@ -192,9 +192,35 @@ def test_split_files(tmp_path):
     assert len(names) == len(set(names)) == comp["tensors"]
 
 
+def test_moe_experts_are_stacked_as_llama_cpp_stacks_them(tmp_path):
+    """Qwen3-MoE: each layer's experts in one ffn_{gate,up,down}_exps tensor [experts, out, in], expert by
+    expert in order; transformers' fused layout (gate_up_proj split into gate and up, as its conversion
+    mapping does) gives the same tensors as its per-expert layout, FP8 requantized to Q8_0 with its error
+    reported per expert, and --validate reads every expert back."""
+    per = convert("qwen3moe-fp8-block", tmp_path / "per.gguf", "--validate")
+    fused = convert("qwen3moe-fp8-block-fused", tmp_path / "fused.gguf", "--validate")
+    assert per["validation"]["ok"] and fused["validation"]["ok"]
+    assert per["requantized"] == fused["requantized"] == 2 * (4 + 3 * 4)      # 2 layers: q, k, v, o + 3 x 4 experts
+    assert {r["reason"] for r in per["layers"]} == {"e4m3 codes are not integers"}
+    stacked = [e for e in per["gguf_tensors"] if e.get("experts")]
+    assert sorted(e["tensor"] for e in stacked) == sorted(f"blk.{i}.ffn_{p}_exps.weight" for i in range(2)
+                                                          for p in ("gate", "up", "down"))
+    assert all(e["experts"] == 4 and e["type"] == "Q8_0" for e in stacked)
+    a, b = gguf.GGUFReader(tmp_path / "per.gguf"), gguf.GGUFReader(tmp_path / "fused.gguf")
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for x, y in zip(a.tensors, b.tensors):
+        assert np.array_equal(np.asarray(x.data), np.asarray(y.data)), x.name
+    gate = next(t for t in a.tensors if t.name == "blk.1.ffn_gate_exps.weight")
+    assert list(gate.shape) == [256, 128, 4]                   # GGUF order: in, out, experts
+    assert next(t for t in a.tensors if t.name == "blk.0.ffn_gate_inp.weight").tensor_type.name == "F32"
+    assert a.fields["qwen3moe.expert_count"].contents() == 4
+    assert a.fields["qwen3moe.expert_used_count"].contents() == 2
+    assert a.fields["qwen3moe.expert_feed_forward_length"].contents() == 128
+
+
 @pytest.mark.parametrize("src, needles", [
-    ("qwen3moe-fp8-block", ("model_type 'qwen3_moe'", "nothing written")),
-    ("qwen3vl-bf16", ("model_type 'qwen3_vl'",)),
+    ("qwen3moe-mxfp4-gptoss", ("gate and up rows are interleaved",)),
+    ("qwen3vl-bf16", ("model_type 'qwen3_vl'", "nothing written")),
 ])
 def test_unmapped_models_are_refused(tmp_path, src, needles):
     proc = convert(src, tmp_path / "m.gguf", check=5)

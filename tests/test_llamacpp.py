@@ -50,7 +50,10 @@ CASES = [
     ("gptq-actorder-requant", "llama-gptq-w4g128-actorder", (), False),
     ("fp16-data-free-q8_0", "llama-fp16", (), False),
     ("fp16-float", "llama-fp16", ("--gguf-float",), True),
+    ("qwen3moe-fp8-requant", "qwen3moe-fp8-block", (), False),
+    ("qwen3moe-bf16-float", "qwen3moe-bf16", ("--gguf-float",), True),
 ]
+ARCH = {"qwen3moe-fp8-requant": "qwen3moe", "qwen3moe-bf16-float": "qwen3moe"}
 
 
 def log_softmax(x):
@@ -131,7 +134,7 @@ def report(tmp_path_factory):
 def test_llama_cpp_runs_qconvs_gguf(case, src, args, kept, report):
     entry = report[case]
     assert "error" not in entry, f"llama.cpp did not run {case}: {entry.get('error')} {entry.get('stderr', '')[-500:]}"
-    assert entry["arch"] == "llama"
+    assert entry["arch"] == ARCH.get(case, "llama")
     assert entry["max_abs_logprob_diff"] <= TOLERANCE, entry
     assert entry["real_flips"] == 0, entry
 

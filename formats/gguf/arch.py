@@ -23,10 +23,21 @@ NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 @dataclass(frozen=True)
 class Arch:
     name: str                      # gguf's architecture name (general.architecture)
-    permute_qk: bool               # llama's q / k rows reordered for llama.cpp's rotary layout
+    model_type: str                # the Hugging Face model_type it maps
+    hf_class: str                  # the Hugging Face architecture (config.json "architectures")
+    permute_qk: bool = False       # llama's q / k rows reordered for llama.cpp's rotary layout (LlamaModel.permute)
+    qk_norm: bool = False          # q_norm / k_norm per layer (qwen3)
+    qkv_bias: bool = False         # q / k / v biases (qwen2)
+    moe: bool = False              # experts stacked per layer (qwen3-moe: ffn_{gate,up,down}_exps, ffn_gate_inp)
 
 
-ARCHS = {"llama": Arch("llama", permute_qk=True)}
+ARCHS = {a.model_type: a for a in (
+    Arch("llama", "llama", "LlamaForCausalLM", permute_qk=True),
+    Arch("qwen2", "qwen2", "Qwen2ForCausalLM", qkv_bias=True),
+    Arch("qwen3", "qwen3", "Qwen3ForCausalLM", qk_norm=True),
+    Arch("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True),
+)}
+BY_GGUF_NAME = {a.name: a for a in ARCHS.values()}
 
 # tokenizer.json pre-tokenizer regexes -> llama.cpp's pre-tokenizer names (llama-vocab.cpp), for the
 # tokenizers whose regex says which it is; ByteLevel's own regex is GPT-2's.
@@ -41,11 +52,29 @@ _PRE_BY_REGEX = {
 
 
 def arch_of(config: Mapping | None, where) -> Arch:
-    mt = (config or {}).get("model_type")
+    """The architecture of a Hugging Face config; refused by name where qconv does not map it, or where
+    the config asks for what llama.cpp's implementation of it does not do."""
+    config = config or {}
+    mt = config.get("model_type")
     if mt not in ARCHS:
         raise UnsupportedFormat(f"model_type {mt!r} has no GGUF mapping in qconv (mapped: {', '.join(sorted(ARCHS))}); "
                                 f"nothing written", file=where)
-    return ARCHS[mt]
+    arch = ARCHS[mt]
+    if arch.moe:
+        why = None
+        if config.get("mlp_only_layers"):
+            why = f"dense layers among the MoE ones (mlp_only_layers {config['mlp_only_layers']})"
+        elif int(config.get("decoder_sparse_step", 1)) != 1:
+            why = f"decoder_sparse_step {config['decoder_sparse_step']}"
+        elif config.get("norm_topk_prob") is False:
+            why = "norm_topk_prob false (llama.cpp's qwen3moe normalises the top-k weights)"
+        if why:
+            raise UnsupportedFormat(f"{mt} with {why} is not what llama.cpp's {arch.name} computes; nothing written",
+                                    file=where)
+    if config.get("attention_bias") and not arch.qkv_bias:
+        raise UnsupportedFormat(f"attention_bias is set, which llama.cpp's {arch.name} does not load; nothing written",
+                                file=where)
+    return arch
 
 
 def _rope_theta(config: Mapping, where) -> float:
@@ -58,8 +87,13 @@ def _rope_theta(config: Mapping, where) -> float:
     return float(theta)
 
 
+def experts(config: Mapping) -> int:
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+
+
 def hparams(config: Mapping, arch: Arch, where) -> list[tuple[str, str, object]]:
-    """(gguf key, value type, value) for the architecture's hyperparameters."""
+    """(gguf key, value type, value) for the architecture's hyperparameters, as TextModel.set_gguf_parameters
+    and the architecture's own class write them."""
     a = arch.name
     heads = int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
@@ -72,11 +106,15 @@ def hparams(config: Mapping, arch: Arch, where) -> list[tuple[str, str, object]]
         (f"{a}.attention.head_count_kv", "u32", int(config.get("num_key_value_heads") or heads)),
         (f"{a}.rope.freq_base", "f32", _rope_theta(config, where)),
         (f"{a}.attention.layer_norm_rms_epsilon", "f32", float(config.get("rms_norm_eps", 1e-5))),
-        (f"{a}.vocab_size", "u32", int(config["vocab_size"])),
-        (f"{a}.rope.dimension_count", "u32", head_dim),
     ]
-    if head_dim != int(config["hidden_size"]) // heads:
+    if config.get("head_dim"):
         kv += [(f"{a}.attention.key_length", "u32", head_dim), (f"{a}.attention.value_length", "u32", head_dim)]
+    if arch.moe:
+        kv += [(f"{a}.expert_count", "u32", experts(config)),
+               (f"{a}.expert_used_count", "u32", int(config["num_experts_per_tok"])),
+               (f"{a}.expert_feed_forward_length", "u32", int(config["moe_intermediate_size"]))]
+    if arch.permute_qk:                               # LlamaModel.set_gguf_parameters
+        kv += [(f"{a}.vocab_size", "u32", int(config["vocab_size"])), (f"{a}.rope.dimension_count", "u32", head_dim)]
     return kv
 
 
@@ -190,18 +228,23 @@ def gguf_name(hf_name: str, arch: Arch, n_blocks: int, where) -> str | None:
     return name
 
 
-def hf_tensor_names(config: Mapping) -> list[str]:
-    """The Hugging Face tensors of a llama-style decoder (what a GGUF's tensors are named back to)."""
+def hf_tensor_names(config: Mapping, arch: Arch) -> list[str]:
+    """The Hugging Face tensors of the architecture's decoder (what a GGUF's tensors are named back to);
+    MoE experts stacked as llama.cpp stores them (``mlp.experts.gate_proj.weight``, one per layer)."""
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     for i in range(int(config["num_hidden_layers"])):
         p = f"model.layers.{i}."
-        names += [p + s + ".weight" for s in (
-            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-            "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")]
+        names += [p + s + ".weight" for s in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                              "self_attn.o_proj", "input_layernorm", "post_attention_layernorm")]
+        if arch.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        if arch.qkv_bias:
+            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        if arch.moe:
+            names += [p + "mlp.gate.weight"] + [p + f"mlp.experts.{x}_proj.weight" for x in ("gate", "up", "down")]
+        else:
+            names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
     return names
-
-
-_HF_ARCH = {"llama": ("LlamaForCausalLM", "llama")}
 
 
 def _f32(value) -> float:
@@ -220,9 +263,10 @@ def config_from(meta: Mapping, where) -> dict:
     """config.json for a GGUF's architecture, from its metadata: the inverse of hparams() (what
     llama.cpp's converter wrote from the Hugging Face config)."""
     a = meta.get("general.architecture")
-    if a not in _HF_ARCH:
+    if a not in BY_GGUF_NAME:
         raise UnsupportedFormat(f"GGUF architecture {a!r} has no Hugging Face mapping in qconv (mapped: "
-                                f"{', '.join(sorted(_HF_ARCH))}); nothing written", file=where)
+                                f"{', '.join(sorted(BY_GGUF_NAME))}); nothing written", file=where)
+    arch = BY_GGUF_NAME[a]
 
     def need(key):
         if f"{a}.{key}" not in meta:
@@ -231,8 +275,7 @@ def config_from(meta: Mapping, where) -> dict:
 
     heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
-    arch_name, model_type = _HF_ARCH[a]
-    config = {"architectures": [arch_name], "model_type": model_type, "hidden_size": hidden,
+    config = {"architectures": [arch.hf_class], "model_type": arch.model_type, "hidden_size": hidden,
               "intermediate_size": int(need("feed_forward_length")), "num_hidden_layers": int(need("block_count")),
               "num_attention_heads": heads,
               "num_key_value_heads": int(meta.get(f"{a}.attention.head_count_kv", heads)),
@@ -240,7 +283,13 @@ def config_from(meta: Mapping, where) -> dict:
               "max_position_embeddings": int(meta.get(f"{a}.context_length", 2048)),
               "rms_norm_eps": _f32(meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
               "rope_parameters": {"rope_theta": _f32(meta.get(f"{a}.rope.freq_base", 10000.0)), "rope_type": "default"},
-              "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}
+              "hidden_act": "silu", "attention_bias": arch.qkv_bias, "tie_word_embeddings": False}
+    if not arch.qkv_bias and not arch.qk_norm:
+        config["mlp_bias"] = False
+    if arch.moe:
+        config.update(num_local_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
+                      moe_intermediate_size=int(need("expert_feed_forward_length")), norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[])
     tokens = meta.get("tokenizer.ggml.tokens")
     config["vocab_size"] = int(meta.get(f"{a}.vocab_size", len(tokens) if isinstance(tokens, list) else 0))
     for kind in ("bos", "eos", "pad"):
