@@ -251,7 +251,7 @@ def main() -> None:
     print(f"TinyLlama-1.1B shapes (random weights) -> GGUF: best of {args.runs}, warm read cache, sync before each "
           f"run, {os.cpu_count()} CPUs\n")
     print(tabulate(table, headers=["whole process", "wall s", "GB/s", "peak RSS MiB", "time vs first row"],
-                   colalign=("left", "right", "right", "right", "right")))
+                   colalign=("left", "right", "right", "right", "right"), disable_numparse=True))
     print()
     table = []
     for label, (size, src_size) in sizes.items():
@@ -260,7 +260,7 @@ def main() -> None:
                       ", ".join(f"{n} {k}" for k, n in sorted(e["types"].items())) if e else "",
                       f"{e['max']:.2e}" if e else "", f"{e['median']:.2e}" if e else ""))
     print(tabulate(table, headers=["GGUF", "source GB", "GGUF GB", "tensors", "max rel. error", "median rel. error"],
-                   colalign=("left", "right", "right", "left", "right", "right")))
+                   colalign=("left", "right", "right", "left", "right", "right"), disable_numparse=True))
     if errors:
         print("\nrel. error: ||W_gguf - W|| / ||W|| over the 154 Linears, W = qconv dequantize --dtype float32 "
               "of the GGUF's source; "

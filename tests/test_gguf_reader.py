@@ -27,7 +27,8 @@ def gguf_of(src, path, *args):
 
 
 @pytest.mark.parametrize("src", ["llama-gptq-w8g128", "llama-gptq-w4g64-asym", "llama-awq-w4g128",
-                                 "llama-gptq-w3g128", "llama-ct-mxfp4", "llama-fp16", "qwen3moe-bf16"])
+                                 "llama-gptq-w3g128", "llama-ct-mxfp4", "llama-fp16", "qwen3moe-bf16",
+                                 "qwen2-autoround-w4g128", "qwen3-autoround-w8g128"])
 def test_a_code_kept_gguf_dequantizes_to_the_sources_float_model(tmp_path, src):
     """Through GGUF and back, every tensor has the values `qconv dequantize` gives for the source itself
     (the codes were kept, q / k rows are put back), the config holds the source's architecture, and
@@ -47,8 +48,9 @@ def test_a_code_kept_gguf_dequantizes_to_the_sources_float_model(tmp_path, src):
             "max_position_embeddings", "tie_word_embeddings"]
     if cfg_src["model_type"] == "qwen3_moe":
         keys += ["num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]
-    else:
+    elif cfg_src["model_type"] == "llama":
         keys += ["bos_token_id", "eos_token_id"]
+    cfg_src.setdefault("head_dim", cfg_src["hidden_size"] // cfg_src["num_attention_heads"])   # qwen2's has none
     for key in keys:
         assert cfg_back[key] == cfg_src[key], key
     assert cfg_back["rope_parameters"]["rope_theta"] == cfg_src["rope_parameters"]["rope_theta"]

@@ -32,6 +32,8 @@ KEPT = {
     "llama-gptq-w2g128": {"Q4_0"},
     "llama-ct-w3a16": {"Q4_0"},
     "llama-ct-mxfp4": {"MXFP4"},                        # e2m1 codes and e8m0 exponents as they are
+    "qwen2-autoround-w4g128": {"Q4_0"},                 # qwen2 (q / k / v biases), qwen3 (q / k norms):
+    "qwen3-autoround-w8g128": {"Q8_0"},                 # no row permutation
 }
 
 
@@ -51,18 +53,18 @@ def read_back(path, src):
     """{hf module: float32 weight} of every quantized tensor in the GGUF, decoded by gguf-py, rows in
     Hugging Face order; and {gguf name: ggml type name}."""
     config = json.loads((CHECKPOINTS / src / "config.json").read_text())
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
     reader = gguf.GGUFReader(path)
+    llama = reader.fields["general.architecture"].contents() == "llama"      # only llama's rows are permuted
     out, types = {}, {}
     for t in reader.tensors:
         types[t.name] = t.tensor_type.name
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        if t.name.endswith("attn_q.weight"):
+        if llama and t.name.endswith("attn_q.weight"):
             w = unpermute(w, config["num_attention_heads"])
-        elif t.name.endswith("attn_k.weight"):
+        elif llama and t.name.endswith("attn_k.weight"):
             w = unpermute(w, config["num_key_value_heads"])
         out[t.name] = w
-    return reader, out, types, names
+    return reader, out, types
 
 
 def source_weights(src):
@@ -79,7 +81,7 @@ def test_codes_kept_decode_to_the_source(tmp_path, src):
     comp = convert(src, tmp_path / "m.gguf")
     assert comp["codes_kept"] == comp["modules"] == 14 and comp["requantized"] == 0
     assert comp["scales_rounded"] == 0
-    _, back, types, _ = read_back(tmp_path / "m.gguf", src)
+    _, back, types = read_back(tmp_path / "m.gguf", src)
     kept = {e["tensor"]: e for e in comp["gguf_tensors"] if e["codes"] is not None}
     assert {types[t] for t in kept} == KEPT[src]
     ref = source_weights(src)
@@ -95,7 +97,7 @@ def test_bnb8_keeps_codes_and_rounds_only_d(tmp_path):
     comp = convert("llama-bnb8", tmp_path / "m.gguf")
     assert comp["codes_kept"] == 14 and comp["scales_rounded"] > 0
     assert 0 < comp["max_scale_rel_error"] <= 2.0 ** -11
-    _, back, types, _ = read_back(tmp_path / "m.gguf", "llama-bnb8")
+    _, back, types = read_back(tmp_path / "m.gguf", "llama-bnb8")
     ref = source_weights("llama-bnb8")
     for e in comp["gguf_tensors"]:
         if e["codes"]:
@@ -111,7 +113,7 @@ def test_q4_1_keeps_codes_and_rounds_the_minimum(tmp_path):
     reported as scale rounding, every weight within it of the source."""
     comp = convert("llama-gptq-w4g64-asym", tmp_path / "m.gguf", "--gguf-asym", "q4_1")
     assert comp["codes_kept"] == 14 and comp["gguf_types"]["Q4_1"] == 14
-    _, back, _, _ = read_back(tmp_path / "m.gguf", "llama-gptq-w4g64-asym")
+    _, back, _ = read_back(tmp_path / "m.gguf", "llama-gptq-w4g64-asym")
     ref = source_weights("llama-gptq-w4g64-asym")
     worst = max(float(np.abs(back[e["tensor"]] - ref[e["source"]]).max()) for e in comp["gguf_tensors"] if e["codes"])
     assert 0 < worst < 1e-3
@@ -142,7 +144,7 @@ def test_float_options(tmp_path):
     assert set(comp["gguf_types"]) == {"Q4_0", "F16", "F32"}
     comp = convert("llama-fp16", tmp_path / "f.gguf", "--gguf-float")
     assert set(comp["gguf_types"]) == {"F16", "F32"} and comp["requantized"] == 0
-    _, back, _, _ = read_back(tmp_path / "f.gguf", "llama-fp16")
+    _, back, _ = read_back(tmp_path / "f.gguf", "llama-fp16")
     from safetensors.numpy import load_file
 
     src = load_file(CHECKPOINTS / "llama-fp16" / "model.safetensors")

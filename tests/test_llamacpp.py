@@ -9,8 +9,8 @@ Why the bounds. llama.cpp's CPU matmuls quantize activations to 8-bit blocks for
 type (Q8_0's vec_dot pairs), which the float run does not, so this is not an allclose. Measured on the
 tiny fixtures (2 layers, vocab 512, 12 positions, log-probabilities over the float run's top 5 tokens;
 llama.cpp is deterministic here, the same numbers on every rerun): code-kept files differ from their float
-model by 0.012 to 0.046 (Q4_1's float16 minimum the largest), requantized ones from theirs by 0.012 to
-0.018, a float GGUF by 0.0015; a layout error (llama's q / k rows left in Hugging Face order in ONE
+model by 0.012 to 0.046 (Q4_1's float16 minimum the largest; llama, qwen2, qwen3), requantized ones
+(qwen3-moe included) from theirs by 0.012 to 0.019, float GGUFs by 0.0015 to 0.0044; a layout error (llama's q / k rows left in Hugging Face order in ONE
 tensor kind, the negative control) by 0.70, with 6 of 12 top-1 tokens changed. TOLERANCE = 0.1 lies
 2x above the worst legitimate difference and 7x below the control.
 """
@@ -50,10 +50,13 @@ CASES = [
     ("gptq-actorder-requant", "llama-gptq-w4g128-actorder", (), False),
     ("fp16-data-free-q8_0", "llama-fp16", (), False),
     ("fp16-float", "llama-fp16", ("--gguf-float",), True),
+    ("qwen2-w4-q4_0", "qwen2-autoround-w4g128", (), True),
+    ("qwen3-w8-q8_0", "qwen3-autoround-w8g128", (), True),
     ("qwen3moe-fp8-requant", "qwen3moe-fp8-block", (), False),
     ("qwen3moe-bf16-float", "qwen3moe-bf16", ("--gguf-float",), True),
 ]
-ARCH = {"qwen3moe-fp8-requant": "qwen3moe", "qwen3moe-bf16-float": "qwen3moe"}
+ARCH = {"qwen2-w4-q4_0": "qwen2", "qwen3-w8-q8_0": "qwen3", "qwen3moe-fp8-requant": "qwen3moe",
+        "qwen3moe-bf16-float": "qwen3moe"}
 
 
 def log_softmax(x):

@@ -71,6 +71,10 @@ def arch_of(config: Mapping | None, where) -> Arch:
         if why:
             raise UnsupportedFormat(f"{mt} with {why} is not what llama.cpp's {arch.name} computes; nothing written",
                                     file=where)
+    if config.get("use_sliding_window") or (config.get("sliding_window") and config.get("layer_types")
+                                            and "sliding_attention" in config["layer_types"]):
+        raise UnsupportedFormat(f"uses sliding-window attention, which qconv does not map to GGUF; nothing written",
+                                file=where)
     if config.get("attention_bias") and not arch.qkv_bias:
         raise UnsupportedFormat(f"attention_bias is set, which llama.cpp's {arch.name} does not load; nothing written",
                                 file=where)
