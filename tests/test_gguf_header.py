@@ -419,3 +419,22 @@ def test_not_a_regular_file_and_empty(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(CorruptCheckpoint, match="FIFO"):
         read_header(fifo)
+
+
+def test_each_mutation_is_refused_by_dequantize_and_convert_before_any_output(small, layout, tmp_path, capsys):
+    """`qconv dequantize` reads a GGUF through the same checked header: each mutated file is refused with
+    the same exit code and one line, and no DST (nor its staging folder) is left. `convert` and `validate`
+    name what reads GGUF instead of failing on it as a safetensors file."""
+    for case, edits, cls, needles in _mutations(layout):
+        path = _mutate(small, tmp_path, edits, f"{case}.gguf")
+        with pytest.raises(SystemExit) as exit_:
+            main(["dequantize", str(path), str(tmp_path / "out")])
+        out = capsys.readouterr()
+        assert exit_.value.code == cls.exit_code, (case, out.err)
+        assert out.err.count("\n") == 1 and out.err.startswith(f"qconv: error: {path}: "), (case, out.err)
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(("out", ".out"))], case
+    for argv in (["convert", str(small), str(tmp_path / "o"), "--to", "gptq"], ["validate", str(small), str(small)]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 5 and "qconv dequantize" in err and err.count("\n") == 1, (argv, err)

@@ -55,6 +55,7 @@ CASES = [
     ("qwen3moe-fp8-requant", "qwen3moe-fp8-block", (), False),
     ("qwen3moe-bf16-float", "qwen3moe-bf16", ("--gguf-float",), True),
 ]
+K_QUANTS = ("Q4_K_M", "Q6_K")
 ARCH = {"qwen2-w4-q4_0": "qwen2", "qwen3-w8-q8_0": "qwen3", "qwen3moe-fp8-requant": "qwen3moe",
         "qwen3moe-bf16-float": "qwen3moe"}
 
@@ -117,6 +118,13 @@ def report(tmp_path_factory):
             refs[src] = float_logits(tmp / f"{src}-float")
     files["control-qk-order"] = tmp / "control.gguf"
     unpermuted_copy(files["gptq-w8-q8_0"], files["control-qk-order"])
+    for kind in K_QUANTS:              # llama.cpp's own quantizer, from qconv's float GGUF; read back by qconv
+        files[kind] = tmp / f"{kind}.gguf"
+        proc = subprocess.run([str(LLAMA_PYTHON), str(SCRIPT), "--quantize", kind, str(files["fp16-float"]),
+                               str(files[kind])], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        run_qconv("dequantize", files[kind], tmp / f"{kind}-float", check=0)
+        refs[kind] = float_logits(tmp / f"{kind}-float")
     out = tmp / "result.json"
     proc = subprocess.run([str(LLAMA_PYTHON), str(SCRIPT), "--ids", ",".join(map(str, IDS)), "--out", str(out),
                            *map(str, files.values())], capture_output=True, text=True, timeout=1800,
@@ -124,6 +132,7 @@ def report(tmp_path_factory):
     assert out.is_file(), proc.stderr[-3000:]
     result = json.loads(out.read_text())
     sources = {case: src if kept else case for case, src, _, kept in CASES} | {"control-qk-order": "llama-gptq-w8g128"}
+    sources |= {kind: kind for kind in K_QUANTS}
     table = {}
     for case, path in files.items():
         entry = result[str(path)]
@@ -140,6 +149,16 @@ def test_llama_cpp_runs_qconvs_gguf(case, src, args, kept, report):
     assert entry["arch"] == ARCH.get(case, "llama")
     assert entry["max_abs_logprob_diff"] <= TOLERANCE, entry
     assert entry["real_flips"] == 0, entry
+
+
+@pytest.mark.parametrize("kind", K_QUANTS)
+def test_llama_cpps_own_k_quants_read_back(kind, report):
+    """A file llama.cpp's quantizer wrote (K-quants, which qconv never writes) read back by `qconv
+    dequantize` (gguf-py's decoder, llama's rows un-permuted, config and tokenizer from the metadata)
+    is the model llama.cpp runs: its float model in transformers agrees with llama.cpp on the file."""
+    entry = report[kind]
+    assert "error" not in entry, entry
+    assert entry["max_abs_logprob_diff"] <= TOLERANCE and entry["real_flips"] == 0, entry
 
 
 def test_negative_control_a_wrong_row_order_is_caught(report):

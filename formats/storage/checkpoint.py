@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from ...errors import CorruptCheckpoint, InputNotFound
+from ...errors import CorruptCheckpoint, InputNotFound, UnsupportedFormat
 from .safetensors_header import Header, TensorInfo, file_kind, open_regular, read_header
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".pk", ".joblib")
@@ -163,6 +163,12 @@ def open_target(path: str | os.PathLike) -> Target:
         raise InputNotFound("no such file or folder", file=path)
     if path.is_file():
         if path.suffix != ".safetensors":
+            from ..gguf.header import looks_like_gguf
+
+            if looks_like_gguf(path):
+                raise UnsupportedFormat("is a llama.cpp GGUF file: `qconv inspect` and `qconv dequantize` read it "
+                                        "(dequantize writes a folder every verb takes); convert and validate do "
+                                        "not read GGUF directly yet", file=path)
             if path.suffix in PICKLE_SUFFIXES:
                 raise InputNotFound(_PICKLE_HINT, file=path)
             raise InputNotFound("not a .safetensors file or a model folder", file=path)

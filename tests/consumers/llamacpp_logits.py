@@ -2,6 +2,10 @@
 GGUF files: load each file and write its next-token logits at every position of a prompt of token ids.
 
     .venv-llamacpp/bin/python tests/consumers/llamacpp_logits.py --ids 1,5,7 --out result.json A.gguf [B.gguf ...]
+    .venv-llamacpp/bin/python tests/consumers/llamacpp_logits.py --quantize Q4_K_M SRC.gguf DST.gguf
+
+The second form is llama.cpp's own quantizer (llama_model_quantize, what `llama-quantize` runs): a
+producer of the K-quant files qconv reads.
 
 Each file is loaded in a subprocess of its own, so a crash (a segfault in a kernel) is told apart from a
 refusal and from a wrong answer: the result has, per file, either "logits" ([positions][vocab]) or
@@ -25,7 +29,23 @@ def run_one(path: str, ids: list[int]) -> dict:
             "n_vocab": llm.n_vocab(), "arch": llm.metadata.get("general.architecture")}
 
 
+FTYPES = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q3_K_M": 12, "IQ4_NL": 25}     # llama_ftype
+
+
+def quantize(kind: str, src: str, dst: str) -> int:
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[kind]
+    params.nthread = 2
+    return int(llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params)))
+
+
 def main() -> int:
+    if len(sys.argv) == 5 and sys.argv[1] == "--quantize":
+        return quantize(*sys.argv[2:])
     ap = argparse.ArgumentParser()
     ap.add_argument("--ids", required=True)
     ap.add_argument("--out", required=True)
