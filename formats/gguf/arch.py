@@ -8,6 +8,7 @@ right. Everything here reads configs and the tokenizer's JSON only (no tensor da
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,15 +218,21 @@ def tokenizer(folder: Path, config: Mapping, root) -> list[tuple[str, str, objec
 _BLOCK = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+@functools.lru_cache(maxsize=8)
+def _name_map(arch_name: str, n_blocks: int):
+    """gguf-py's TensorNameMap for an architecture: built once (it enumerates every name of every block)."""
+    import gguf
+
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch_name)
+    return gguf.get_tensor_name_map(arch_id, n_blocks)
+
+
 def gguf_name(hf_name: str, arch: Arch, n_blocks: int, where) -> str | None:
     """llama.cpp's name for a Hugging Face tensor (gguf-py's TensorNameMap for the architecture); None
     for tensors llama.cpp does not load (rotary inv_freq buffers)."""
-    import gguf
-
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None
-    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch.name)
-    name = gguf.get_tensor_name_map(arch_id, n_blocks).get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    name = _name_map(arch.name, n_blocks).get_name(hf_name, try_suffixes=(".weight", ".bias"))
     if name is None:
         raise UnsupportedFormat(f"has no llama.cpp name for {arch.name} in gguf-py's tensor map; nothing written",
                                 file=where, tensor=hf_name)
