@@ -96,6 +96,8 @@ def weights_base(comp: Component) -> str:
     """Keep the source's weight file name: model, diffusion_pytorch_model, ..."""
     if comp.index_file is not None:
         return comp.index_file.name[: -len(".safetensors.index.json")]
+    if not comp.files[0].name.endswith(".safetensors"):       # a GGUF source
+        return "model"
     stem = comp.files[0].name[: -len(".safetensors")]
     return stem.split("-00")[0] if "-of-" in stem else stem
 

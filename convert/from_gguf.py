@@ -16,32 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import CorruptCheckpoint, UnsupportedFormat
+from ..errors import CorruptCheckpoint
 from ..formats.gguf import arch as garch
 from ..formats.gguf import codec
-from ..formats.gguf.header import GGUFHeader, read_header
+from ..formats.gguf.source import open_checked
 from ..formats.storage.safetensors_header import open_regular
 from ..formats.storage.tensor_io import FLOAT_CODES, encode_float
 from .engine import DEFAULT_MAX_SHARD, OutTensor, write_component
 from .staging import staged_output
-
-_MODEL_DTYPES = {"F16": "float16", "BF16": "bfloat16"}
-
-
-def full_metadata(path: Path, header: GGUFHeader) -> dict:
-    """Every metadata value in full (the header reader keeps long arrays as a summary): read with
-    gguf-py's reader once qconv's has checked the file."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    out = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        value = field.contents()
-        out[key] = value
-    return out
-
 
 def _decoded(path: Path, t, hf_name: str, config: dict, code: str, permute: bool) -> list[OutTensor]:
     """The tensor's Hugging Face tensors: itself, or for llama.cpp's stacked experts [E, out, in] one
@@ -88,35 +70,20 @@ def dequantize_gguf(src: Path, dst: Path, *, dtype: str | None = None, overwrite
 
     src, dst = Path(src), Path(dst)
     t0 = time.monotonic()
-    header = read_header(src)
-    if int(header.metadata.get("split.count", 1) or 1) > 1:
-        raise UnsupportedFormat("is one of a split GGUF's files, which qconv does not read yet (merge it with "
-                                "llama-gguf-split --merge first)", file=src)
-    meta = full_metadata(src, header)
-    config = garch.config_from(meta, src)
-    arch = garch.ARCHS[config["model_type"]]
-    names = {}
-    for hf in garch.hf_tensor_names(config, arch):
-        names[garch.gguf_name(hf, arch, config["num_hidden_layers"], src)] = hf
-    tensors = []
-    types = {t.type_name for t in header.tensors}
-    model_dtype = dtype or next((_MODEL_DTYPES[t] for t in ("BF16", "F16") if t in types), "float16")
-    code = FLOAT_CODES[model_dtype]
-    for t in header.tensors:
-        if t.name not in names:
-            raise UnsupportedFormat(f"has no Hugging Face name in qconv's {arch.name} mapping; nothing written",
-                                    file=src, tensor=t.name)
-        tensors.extend(_decoded(src, t, names[t.name], config, code, arch.permute_qk))
-    if "lm_head.weight" not in {t.name for t in tensors}:
-        config["tie_word_embeddings"] = True
-    config["dtype"] = model_dtype
-    files = garch.tokenizer_files(meta, src)
+    g = open_checked(src)
+    config = g.config
+    types = {t.type_name for t in g.header.tensors}
+    target = dtype or config["dtype"]
+    code = FLOAT_CODES[target]
+    tensors = [o for t in g.header.tensors for o in _decoded(src, t, g.names[t.name], config, code, g.arch.permute_qk)]
+    config["dtype"] = target
+    files = garch.tokenizer_files(g.meta, src)
     with staged_output(src, dst, overwrite=overwrite) as tmp:
         written = write_component(None, tmp, tensors, config, max_shard_size, f"dequantizing {src.name}", base="model")
         for name, doc in files.items():
             (tmp / name).write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
-    report = {"component": src.name, "method": "GGUF", "dtype": model_dtype, "dequantized_modules":
-              sum(1 for t in header.tensors if t.type_name not in ("F32", "F16", "BF16")), **written,
+    report = {"component": src.name, "method": "GGUF", "dtype": target, "dequantized_modules":
+              sum(1 for t in g.header.tensors if t.type_name not in ("F32", "F16", "BF16")), **written,
               "copied": sorted(files), "ggml_types": sorted(types), "warnings": []}
     return {"source": str(src), "destination": str(dst), "seconds": round(time.monotonic() - t0, 3),
             "components": [report]}

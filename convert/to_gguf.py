@@ -26,6 +26,7 @@ from ..formats.core.layout import QuantModule, natural_key
 from ..formats.core.reader import model_dtype, read_module, require_decodable
 from ..formats.gguf import arch as garch
 from ..formats.gguf import codec
+from ..formats.gguf.header import looks_like_gguf
 from ..formats.storage.checkpoint import Component, open_target
 from ..formats.storage.tensor_io import FLOAT_CODES, encode_float, read_array
 from .convert import Options, Stats, Tally, _check_source, _exact_weights, _read_float, _source_spec, _split_experts
@@ -234,7 +235,37 @@ def plan(comp: Component, opts: Options, tally: Tally) -> tuple[object, list[_Ou
             if o is not None:
                 outs.append(o)
     outs.sort(key=lambda o: natural_key(o.source))
-    return det, outs, garch.hparams(comp.config, arch, comp.path) + garch.tokenizer(comp.path, comp.config, comp.root)
+    return det, outs, garch.hparams(comp.config, arch, comp.path) + _tokenizer(comp)
+
+
+def _source_name(comp: Component) -> str:
+    """general.name: a GGUF source's own, else the source folder's name."""
+    if comp.path.is_file() and looks_like_gguf(comp.path):
+        from ..formats.gguf.source import full_metadata
+
+        name = full_metadata(comp.path).get("general.name")
+        if isinstance(name, str):
+            return name
+    return comp.path.name
+
+
+def _tokenizer(comp: Component) -> list:
+    """The tokenizer's metadata: from tokenizer.json beside the weights, or a GGUF source's own, as it is."""
+    if comp.path.is_file() and looks_like_gguf(comp.path):
+        from ..formats.gguf.source import full_metadata
+
+        kinds = {str: "str", bool: "bool", int: "u32"}
+        kv = []
+        for key, value in full_metadata(comp.path).items():
+            if not key.startswith("tokenizer."):
+                continue
+            if isinstance(value, list):
+                kind = "i32[]" if value and isinstance(value[0], int) else "str[]"
+            else:
+                kind = kinds.get(type(value), "f32")
+            kv.append((key, kind, value))
+        return kv
+    return garch.tokenizer(comp.path, comp.config, comp.root)
 
 
 def _file_type(outs: list[_Out]) -> int:
@@ -275,7 +306,7 @@ def write(comp: Component, path: Path, opts: Options, max_shard: int) -> dict:
     writer = gguf.GGUFWriter(path, arch.name, split_max_size=split)
     for key, kind, value in kv:
         _add(writer, key, kind, value)
-    writer.add_string("general.name", comp.path.name)
+    writer.add_string("general.name", _source_name(comp))
     writer.add_uint32("general.file_type", _file_type(outs))
     writer.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
     writer.add_string("general.quantized_by", "qconv")
@@ -338,9 +369,10 @@ def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = Fa
     if dst.suffix != ".gguf":
         raise UsageError("--to gguf writes one .gguf file: give DST a name ending in .gguf", file=dst)
     target = open_target(src)
-    if target.kind != "model" or len(target.components) != 1:
-        raise UnsupportedFormat("--to gguf converts one model folder (a pipeline's language model: give its "
-                                "folder)", file=src)
+    if target.kind == "pipeline" or len(target.components) != 1 or (
+            target.kind == "file" and not looks_like_gguf(src)):
+        raise UnsupportedFormat("--to gguf converts one model folder or GGUF file (a pipeline's language "
+                                "model: give its folder)", file=src)
     comp = target.components[0]
     t0 = time.monotonic()
     with staged_output(src, dst, overwrite=overwrite, files=True) as tmp:

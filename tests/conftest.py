@@ -159,3 +159,35 @@ def report_crashes(name: str, entry: dict) -> None:
         for crash in entry.get(f"{side}_crashes", []):
             warnings.warn(VllmCrashRetried(f"{name}: vLLM crashed loading the {side} model (exit "
                                            f"{crash['exit_status']}: {crash['error']}); the retry loaded it"))
+
+
+def requantize_gguf(src: Path, dst: Path, which, qtype_name: str = "Q5_1") -> dict:
+    """A copy of the GGUF at src written by gguf-py's own writer and quantizer (llama.cpp's library), the
+    tensors which(name, type) picks requantized to qtype_name (a type qconv never writes): its metadata
+    and every other tensor as they are. Returns {tensor: gguf-py's decoding of what was written}."""
+    import gguf
+    import numpy as np
+
+    qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, field.contents(), field.types[0])
+    written = {}
+    for t in reader.tensors:
+        if which(t.name, t.tensor_type.name):
+            q = gguf.quants.quantize(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32), qtype)
+            writer.add_tensor(t.name, q, raw_dtype=qtype)
+            written[t.name] = gguf.quants.dequantize(q, qtype)
+        else:
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return written

@@ -422,19 +422,23 @@ def test_not_a_regular_file_and_empty(tmp_path):
 
 
 def test_each_mutation_is_refused_by_dequantize_and_convert_before_any_output(small, layout, tmp_path, capsys):
-    """`qconv dequantize` reads a GGUF through the same checked header: each mutated file is refused with
-    the same exit code and one line, and no DST (nor its staging folder) is left. `convert` and `validate`
-    name what reads GGUF instead of failing on it as a safetensors file."""
+    """`qconv dequantize`, `convert` and `validate` read a GGUF through the same checked header: each
+    mutated file is refused with the same exit code and one line, and no DST (nor its staging folder) is
+    left. The intact file (a llama without llama's hyperparameters) is refused naming what it lacks."""
     for case, edits, cls, needles in _mutations(layout):
         path = _mutate(small, tmp_path, edits, f"{case}.gguf")
-        with pytest.raises(SystemExit) as exit_:
-            main(["dequantize", str(path), str(tmp_path / "out")])
-        out = capsys.readouterr()
-        assert exit_.value.code == cls.exit_code, (case, out.err)
-        assert out.err.count("\n") == 1 and out.err.startswith(f"qconv: error: {path}: "), (case, out.err)
-        assert not [p for p in tmp_path.iterdir() if p.name.startswith(("out", ".out"))], case
-    for argv in (["convert", str(small), str(tmp_path / "o"), "--to", "gptq"], ["validate", str(small), str(small)]):
+        for argv in (["dequantize", str(path), str(tmp_path / "out")],
+                     ["convert", str(path), str(tmp_path / "out"), "--to", "gptq"],
+                     ["validate", str(path), str(path)]):
+            with pytest.raises(SystemExit) as exit_:
+                main(argv)
+            out = capsys.readouterr()
+            assert exit_.value.code == cls.exit_code, (case, argv[0], out.err)
+            assert out.err.count("\n") == 1 and out.err.startswith(f"qconv: error: {path}: "), (case, out.err)
+            assert not [p for p in tmp_path.iterdir() if p.name.startswith(("out", ".out"))], case
+    for argv in (["convert", str(small), str(tmp_path / "o"), "--to", "gptq"], ["validate", str(small), str(small)],
+                 ["dequantize", str(small), str(tmp_path / "o")]):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         err = capsys.readouterr().err
-        assert exit_.value.code == 5 and "qconv dequantize" in err and err.count("\n") == 1, (argv, err)
+        assert exit_.value.code == 5 and "has no llama.feed_forward_length" in err and err.count("\n") == 1, (argv, err)

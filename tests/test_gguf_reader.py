@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CHECKPOINTS, one_error, run_qconv
+from conftest import CHECKPOINTS, one_error, requantize_gguf, run_qconv
 
 
 def tensors(folder):
@@ -50,7 +50,8 @@ def test_a_code_kept_gguf_dequantizes_to_the_sources_float_model(tmp_path, src):
         keys += ["num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]
     elif cfg_src["model_type"] == "llama":
         keys += ["bos_token_id", "eos_token_id"]
-    cfg_src.setdefault("head_dim", cfg_src["hidden_size"] // cfg_src["num_attention_heads"])   # qwen2's has none
+    for cfg in (cfg_src, cfg_back):                   # qwen2's config has no head_dim: hidden / heads
+        cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     for key in keys:
         assert cfg_back[key] == cfg_src[key], key
     assert cfg_back["rope_parameters"]["rope_theta"] == cfg_src["rope_parameters"]["rope_theta"]
@@ -82,30 +83,7 @@ def test_other_ggml_types_decode_as_gguf_py_decodes_them(tmp_path):
     """A file whose Linears gguf-py's own quantizer wrote as Q5_1 (a type qconv never writes): each
     dequantized tensor is gguf-py's decoding of it, rows un-permuted."""
     src = gguf_of("llama-gptq-w8g128", tmp_path / "m.gguf")
-    reader = gguf.GGUFReader(src)
-    writer = gguf.GGUFWriter(tmp_path / "q51.gguf", "llama")
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = field.contents()
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(key, value, vtype, sub_type=field.types[-1])
-        else:
-            writer.add_key_value(key, value, vtype)
-    expected = {}
-    for t in reader.tensors:
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        if t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
-            q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_1)
-            writer.add_tensor(t.name, q, raw_dtype=gguf.GGMLQuantizationType.Q5_1)
-            expected[t.name] = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q5_1)
-        else:
-            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    expected = requantize_gguf(src, tmp_path / "q51.gguf", lambda name, kind: kind == "Q8_0")
     run_qconv("dequantize", tmp_path / "q51.gguf", tmp_path / "back", "--dtype", "float32", check=0)
     back = tensors(tmp_path / "back")
     q = back["model.layers.0.self_attn.q_proj.weight"].numpy()

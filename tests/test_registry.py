@@ -117,9 +117,9 @@ def test_leaves_are_what_the_encoder_stores_and_it_reads_back(tmp_path, name):
 
 def test_a_lookup_miss_lists_what_is_registered():
     with pytest.raises(KeyError, match="registered: .*awq.*compressed-tensors"):
-        target("gguf")
-    with pytest.raises(KeyError, match="no format family 'gguf'; registered: .*bnb8"):
-        family("gguf")
+        target("exl2")
+    with pytest.raises(KeyError, match="no format family 'exl2'; registered: .*bnb8"):
+        family("exl2")
 
 
 # Targets whose plan settles per-module settings: a requantized module too stores exactly the planned

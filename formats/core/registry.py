@@ -115,6 +115,7 @@ def _register_builtin() -> None:
     from ..bnb import header as bnb
     from ..compressed_tensors import header as compressed_tensors
     from ..fp8 import header as fp8
+    from ..gguf import header as gguf
     from ..gptq import header as gptq
     from ..modelopt import header as modelopt
     from ..mxfp4 import header as mxfp4
@@ -161,6 +162,10 @@ def _register_builtin() -> None:
     register(Family("mxfp4", "gpt-oss MXFP4", frozenset({"mxfp4"}), lambda method, qc: method == "mxfp4",
                     mxfp4.find_modules, mxfp4.check, "mxfp4.codec", mxfp4.settings, scale_tensor="_scales",
                     symmetric=lambda m, qc: True, rows=1))
+    # llama.cpp's GGUF opened as a source (gguf/source.py): Q8_0 / Q4_0 / Q5_0 / MXFP4 block tensors; a
+    # permuted llama q / k is read whole (codec.row_step)
+    register(Family("gguf", "GGUF", frozenset({"gguf"}), lambda method, qc: method == "gguf", gguf.find_modules,
+                    gguf.check, "gguf.codec", gguf.settings, symmetric=lambda m, qc: True, rows="row_step"))
     register(Dialect("bitsandbytes", frozenset({"bnb8", "bnb4", "bitsandbytes"}), bnb.lint))
     register(Dialect("gptq", frozenset({"gptq", "auto-round"}), gptq.lint))
     register(Dialect("awq", frozenset({"awq"}), awq.lint))
@@ -168,6 +173,7 @@ def _register_builtin() -> None:
     register(Dialect("fp8", frozenset({"fp8"}), fp8.lint, refuse=fp8.refuse))
     register(Dialect("modelopt", frozenset({"modelopt"}), modelopt.lint, bare=modelopt.is_side_config))
     register(Dialect("mxfp4", frozenset({"mxfp4"}), mxfp4.lint, refuse=mxfp4.refuse))
+    register(Dialect("gguf", frozenset({"gguf"}), gguf.lint))
 
 
 _register_builtin()

@@ -290,11 +290,12 @@ def config_from(meta: Mapping, where) -> dict:
               "intermediate_size": int(need("feed_forward_length")), "num_hidden_layers": int(need("block_count")),
               "num_attention_heads": heads,
               "num_key_value_heads": int(meta.get(f"{a}.attention.head_count_kv", heads)),
-              "head_dim": int(meta.get(f"{a}.attention.key_length", meta.get(f"{a}.rope.dimension_count", hidden // heads))),
               "max_position_embeddings": int(meta.get(f"{a}.context_length", 2048)),
               "rms_norm_eps": _f32(meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
               "rope_parameters": {"rope_theta": _f32(meta.get(f"{a}.rope.freq_base", 10000.0)), "rope_type": "default"},
               "hidden_act": "silu", "attention_bias": arch.qkv_bias, "tie_word_embeddings": False}
+    if f"{a}.attention.key_length" in meta:          # written where the Hugging Face config has head_dim
+        config["head_dim"] = int(meta[f"{a}.attention.key_length"])
     if not arch.qkv_bias and not arch.qk_norm:
         config["mlp_bias"] = False
     if arch.moe:

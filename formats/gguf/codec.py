@@ -16,6 +16,7 @@ An integer module w = s * (q - z) (GPTQ, AWQ, compressed-tensors, LLM.int8 with 
 * 4-bit symmetric (z = 8): Q4_0, nibble = q, d = s;
 * 4-bit asymmetric: Q5_0, q5 = q - z + 16 (always 1..31), d = s; or Q4_1, nibble = q, m = -s * z;
 * 2- and 3-bit, any zero point: Q4_0, nibble = q - z + 8 (always 1..15), d = s;
+* 5-bit symmetric (z = 16: a GGUF source's own Q5_0): Q5_0, q5 = q, d = s;
 * MXFP4 (e2m1 codes, power-of-two scales per 32): MXFP4, the same nibbles, e = log2(s) + 127.
 
 The only rounding is d (and Q4_1's m) to float16; every float32 product d * (q - z) then equals the
@@ -71,6 +72,8 @@ def gguf_type(spec, inp: int, asym: str = "Q5_0", g_idx=None) -> tuple[str | Non
         return ("Q4_0", None) if spec.symmetric else (asym, None)
     if spec.bits < 4:
         return "Q4_0", None
+    if spec.bits == 5 and spec.symmetric:                 # a GGUF source's Q5_0, GPTQ 5-bit sym: q5 = q
+        return "Q5_0", None
     return "Q8_0", f"{spec.bits}-bit codes become 8-bit"
 
 
@@ -169,3 +172,63 @@ def unpermute_rows(blocks: np.ndarray, n_head: int) -> np.ndarray:
     rows = blocks.shape[0]
     return np.ascontiguousarray(blocks.reshape(n_head, rows // n_head // 2, 2, *blocks.shape[1:])
                                 .swapaxes(1, 2).reshape(blocks.shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: a GGUF source's block tensors (source.py, header.find_modules) as QuantTensors
+
+def decode(blocks: np.ndarray, type_name: str, dtype: str) -> QuantTensor:
+    """uint8 [rows, row bytes] of one block type -> the QuantTensor whose dequantization is ggml's (and
+    gguf-py's quants.dequantize) exactly: Q8_0 as 8-bit codes qs + 128 about 128, Q4_0 as 4-bit about 8,
+    Q5_0 as 5-bit about 16 (each d * (q - z)), MXFP4 as e2m1 codes with scales 2^(e - 127); groups of 32."""
+    from ..core.minifloat import BOOKS
+
+    rows = blocks.shape[0]
+    size = TYPES[type_name][1]
+    b = blocks.reshape(rows, -1, size)
+    nb = b.shape[1]
+    if type_name == "MXFP4":
+        qs = b[:, :, 1:17]
+        codes = np.concatenate([qs & 0xF, qs >> 4], axis=2).reshape(rows, nb * QK)
+        scales = np.ldexp(np.float32(1.0), b[:, :, 0].astype(np.int32) - 127).astype(np.float32)
+        spec = QuantSpec("e2m1", 4, QK, True, codebook=tuple(map(float, BOOKS["e2m1"][1])), scale_dtype="U8")
+        return QuantTensor(spec, (rows, nb * QK), dtype, codes=codes, scales=scales)
+    d = b[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+    if type_name == "Q8_0":
+        codes = (b[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        bits, zero = 8, 128
+    elif type_name == "Q4_0":
+        qs = b[:, :, 2:18]
+        codes = np.concatenate([qs & 0xF, qs >> 4], axis=2)
+        bits, zero = 4, 8
+    elif type_name == "Q5_0":
+        qh = b[:, :, 2:6].copy().view("<u4")[:, :, 0]
+        qs = b[:, :, 6:22]
+        high = ((qh[:, :, None] >> np.arange(QK, dtype=np.uint32)) & 1).astype(np.uint8)
+        codes = np.concatenate([qs & 0xF, qs >> 4], axis=2) | (high << 4)
+        bits, zero = 5, 16
+    else:
+        raise ValueError(f"{type_name} has no exact form in qconv's representation")
+    spec = QuantSpec("int", bits, QK, True, scale_dtype="F16")
+    return QuantTensor(spec, (rows, nb * QK), dtype, codes=codes.reshape(rows, nb * QK).astype(np.uint8), scales=d,
+                       zeros=np.full((rows, nb), zero, np.uint8))
+
+
+def row_step(m) -> int:
+    """A row window's ends: any row, but a permuted llama q / k is read whole (its rows interleave)."""
+    return m.out_features if m.details.get("heads") else 1
+
+
+def read(m, tensors, qc, dtype: str, rows: tuple[int, int] | None = None) -> QuantTensor:
+    """A GGUF source's module (or rows r0:r1 of it) as a QuantTensor, llama's q / k rows back in Hugging
+    Face order."""
+    from ..storage.tensor_io import read_array
+
+    info = tensors[m.weight_tensors[0]]
+    heads = m.details.get("heads")
+    r0, r1 = rows or (0, m.out_features)
+    if heads:
+        blocks = unpermute_rows(read_array(info), heads)[r0:r1]
+    else:
+        blocks = read_array(info, rows=None if rows is None else (r0, r1))
+    return decode(blocks, m.details["ggml_type"], dtype)

@@ -501,3 +501,56 @@ def _count(value) -> int | None:
     if isinstance(value, list):
         return len(value)
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The "gguf" family (formats/core/registry.py): modules of a GGUF opened as a source (source.py)
+
+# block types qconv's canonical representation holds exactly: (scheme, bits); others decode only to float
+EXACT_TYPES = {"Q8_0": ("int8", 8), "Q4_0": ("int4", 4), "Q5_0": ("int5", 5), "MXFP4": ("e2m1", 4)}
+
+
+def find_modules(tensors: Mapping, qc: Mapping | None) -> list:
+    """One module per block tensor of a GGUF source (its quantization_config's ggml_types), from
+    headers alone."""
+    from ..core.layout import QuantModule
+
+    types = (qc or {}).get("ggml_types") or {}
+    order = (qc or {}).get("row_order") or {}
+    out = []
+    for name, type_name in types.items():
+        info = tensors.get(name)
+        entry = next((v for v in GGML_TYPES.values() if v[0] == type_name), None)
+        if info is None or entry is None or not name.endswith(".weight"):
+            continue
+        _, block, size = entry
+        rows, row_bytes = info.shape
+        scheme, bits = EXACT_TYPES.get(type_name, (type_name.lower(), 0))
+        details = {"ggml_type": type_name, "scales_dtype": "U8" if type_name == "MXFP4" else "F16"}
+        if name in order:
+            details["heads"] = int(order[name])
+        out.append(QuantModule(name[: -len(".weight")], "gguf", scheme, bits, rows, row_bytes // size * block,
+                               (name,), (), group_size=block, details=details))
+    return out
+
+
+def check(m, tensors: Mapping, qc: Mapping | None) -> None:
+    """A module whose ggml type has no exact form in the canonical representation (K-quants, IQ types,
+    Q4_1's float minimum) is refused for convert and validate; dequantize decodes every type."""
+    if not m.name.startswith("model.layers."):
+        raise UnsupportedFormat(f"is stored as {m.details['ggml_type']} outside the decoder layers (embeddings or "
+                                f"lm_head), which the formats convert writes keep in float; `qconv dequantize` "
+                                f"decodes it to float, which convert then takes",
+                                file=tensors[m.weight_tensors[0]].file, tensor=m.name)
+    if m.details["ggml_type"] not in EXACT_TYPES:
+        raise UnsupportedFormat(f"is {m.details['ggml_type']}, which qconv keeps no codes of (it converts "
+                                f"{', '.join(EXACT_TYPES)}); `qconv dequantize` decodes it to float, which convert "
+                                f"then takes", file=tensors[m.weight_tensors[0]].file, tensor=m.name)
+
+
+def settings(qc: Mapping | None, modules: list) -> dict:
+    return {"ggml_types": sorted({m.details["ggml_type"] for m in modules})}
+
+
+def lint(qc, modules, all_modules, comp, warnings) -> None:
+    return None

@@ -165,10 +165,9 @@ def open_target(path: str | os.PathLike) -> Target:
         if path.suffix != ".safetensors":
             from ..gguf.header import looks_like_gguf
 
-            if looks_like_gguf(path):
-                raise UnsupportedFormat("is a llama.cpp GGUF file: `qconv inspect` and `qconv dequantize` read it "
-                                        "(dequantize writes a folder every verb takes); convert and validate do "
-                                        "not read GGUF directly yet", file=path)
+            if looks_like_gguf(path):                  # llama.cpp's one-file container: gguf/source.py
+                from ..gguf.source import open_gguf
+                return Target(path, "file", (open_gguf(path),))
             if path.suffix in PICKLE_SUFFIXES:
                 raise InputNotFound(_PICKLE_HINT, file=path)
             raise InputNotFound("not a .safetensors file or a model folder", file=path)

@@ -1,0 +1,108 @@
+"""A llama.cpp GGUF file as a source every verb reads: a Component whose tensors carry their Hugging Face
+names (formats/gguf/arch.py, the inverse of what llama.cpp's converter writes), whose config.json is
+rebuilt from the metadata, and whose quantization_config says which ggml type each block tensor holds
+(``{"quant_method": "gguf", "ggml_types": {tensor: type}, "row_order": {tensor: heads}}``), so that the
+"gguf" family (header.find_modules, codec.read) decodes them like any other format's modules.
+
+llama.cpp's stacked experts ([experts, out, in]) appear as one tensor per expert, each its own rows of
+the file. The header is read and checked by header.read_header first (bounded, hostile-input safe); the
+full metadata (a tokenizer's token list) is then read with gguf-py's reader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...errors import UnsupportedFormat
+from ..storage.checkpoint import Component
+from ..storage.safetensors_header import TensorInfo
+from . import arch as garch
+from .header import GGUFHeader, read_header
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+_MODEL_DTYPES = {"BF16": "bfloat16", "F16": "float16"}
+
+
+def full_metadata(path: Path) -> dict:
+    """Every metadata value in full (read_header keeps long arrays as a summary), with gguf-py's reader,
+    once read_header has checked the file."""
+    import gguf
+
+    return {key: field.contents() for key, field in gguf.GGUFReader(path).fields.items()
+            if not key.startswith("GGUF.")}
+
+
+def model_dtype(header: GGUFHeader) -> str:
+    """The 16-bit float type its float tensors are in (BF16 before F16), else float16."""
+    types = {t.type_name for t in header.tensors}
+    return next((_MODEL_DTYPES[t] for t in ("BF16", "F16") if t in types), "float16")
+
+
+def gguf_names(config: dict, arch, where) -> dict[str, str]:
+    """{GGUF tensor name: Hugging Face name} for the architecture's decoder (stacked experts: the
+    ``mlp.experts.proj.weight`` stem)."""
+    return {garch.gguf_name(hf, arch, config["num_hidden_layers"], where): hf for hf in garch.hf_tensor_names(config, arch)}
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A GGUF checked and mapped: its header, full metadata, rebuilt config.json, architecture and
+    {GGUF tensor: Hugging Face name} for every tensor it holds."""
+    header: GGUFHeader
+    meta: dict
+    config: dict
+    arch: garch.Arch
+    names: dict
+
+
+def open_checked(path: Path) -> Opened:
+    """read_header's checks, then the mapping: a split file, an architecture qconv does not map back, or a
+    tensor with no Hugging Face name is refused by name, before any tensor data is read."""
+    header = read_header(path)
+    if int(header.metadata.get("split.count", 1) or 1) > 1:
+        raise UnsupportedFormat("is one of a split GGUF's files, which qconv does not read yet (merge it with "
+                                "llama-gguf-split --merge first)", file=path)
+    meta = full_metadata(path)
+    config = garch.config_from(meta, path)
+    arch = garch.ARCHS[config["model_type"]]
+    names = gguf_names(config, arch, path)
+    for t in header.tensors:
+        if t.name not in names:
+            raise UnsupportedFormat(f"has no Hugging Face name in qconv's {arch.name} mapping; nothing written",
+                                    file=path, tensor=t.name)
+    if "lm_head.weight" not in {names[t.name] for t in header.tensors}:
+        config["tie_word_embeddings"] = True          # llama.cpp falls back to token_embd, as transformers does
+    config["dtype"] = model_dtype(header)
+    return Opened(header, meta, config, arch, {t.name: names[t.name] for t in header.tensors})
+
+
+def open_gguf(path: Path) -> Component:
+    path = Path(path)
+    g = open_checked(path)
+    header, config, arch = g.header, g.config, g.arch
+    tensors, types, order = {}, {}, {}
+    for t in header.tensors:
+        hf, shape = g.names[t.name], tuple(reversed(t.shape))
+        if len(shape) == 3 and ".experts." in hf:      # stacked experts: one tensor per expert, its own rows
+            per = t.nbytes // shape[0]
+            parts = [(hf.replace(".experts.", f".experts.{e}."), shape[1:], t.offset + e * per, per)
+                     for e in range(shape[0])]
+        else:
+            parts = [(hf, shape, t.offset, t.nbytes)]
+        heads = garch.heads_of(config, hf) if arch.permute_qk else None
+        for name, shp, offset, nbytes in parts:
+            if t.type_name in FLOAT_TYPES:
+                if heads:
+                    raise UnsupportedFormat(f"llama's q / k rows in llama.cpp's rotary order, stored as {t.type_name}: "
+                                            f"only `qconv dequantize` puts float ones back; dequantize this file "
+                                            f"first", file=path, tensor=t.name)
+                tensors[name] = TensorInfo(name, t.type_name, shp, path, offset, nbytes)
+                continue
+            rows = shp[0] if len(shp) > 1 else 1
+            tensors[name] = TensorInfo(name, "U8", (rows, nbytes // max(rows, 1)), path, offset, nbytes)
+            types[name] = t.type_name
+            if heads:
+                order[name] = heads
+    config["quantization_config"] = {"quant_method": "gguf", "ggml_types": types, "row_order": order}
+    return Component(name=path.name, path=path, files=(path,), headers={}, tensors=tensors, config=config)

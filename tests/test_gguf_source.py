@@ -1,0 +1,80 @@
+"""A GGUF file as a source of convert and validate (formats/gguf/source.py, the "gguf" family): Q8_0,
+Q4_0, Q5_0 and MXFP4 blocks keep their codes into every target, GGUF -> GGUF gives every tensor back byte
+for byte, and `qconv validate` pairs a Hugging Face folder with a GGUF layer by layer. The GGUFs are
+qconv's own from the producers' fixtures (llama.cpp reads and runs them: tests/test_llamacpp.py)."""
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+
+from conftest import CHECKPOINTS, one_error, requantize_gguf, run_qconv
+
+
+def gguf_of(src, path, *args):
+    run_qconv("convert", CHECKPOINTS / src, path, "--to", "gguf", *args, check=0)
+    return path
+
+
+def tensors_of(path):
+    return {t.name: (t.tensor_type, np.asarray(t.data).view(np.uint8).tobytes()) for t in gguf.GGUFReader(path).tensors}
+
+
+@pytest.mark.parametrize("src, args", [("llama-gptq-w4g64-asym", ()), ("llama-gptq-w8g128", ()),
+                                       ("llama-ct-mxfp4", ()), ("llama-gptq-w3g128", ()),
+                                       ("qwen3moe-fp8-block", ()), ("qwen2-autoround-w4g128", ()),
+                                       ("qwen3moe-bf16", ("--gguf-float",))])
+def test_gguf_to_gguf_gives_every_tensor_back(tmp_path, src, args):
+    """GGUF -> GGUF: every tensor the same type and the same bytes, the metadata the same (stacked MoE
+    experts, llama's permuted q / k and Q5_0's 5-bit codes included)."""
+    first = gguf_of(src, tmp_path / "a.gguf", *args)
+    proc = run_qconv("convert", "--json", "--validate", first, tmp_path / "b.gguf", "--to", "gguf", *args, check=0)
+    (comp,) = json.loads(proc.stdout)["components"]
+    assert comp["requantized"] == 0 and comp["validation"]["ok"]
+    assert tensors_of(first) == tensors_of(tmp_path / "b.gguf")
+    a, b = gguf.GGUFReader(first), gguf.GGUFReader(tmp_path / "b.gguf")
+    assert {k: f.contents() for k, f in a.fields.items()} == {k: f.contents() for k, f in b.fields.items()}
+
+
+@pytest.mark.parametrize("src, target, bits", [("llama-gptq-w8g128", "gptq", 8), ("llama-ct-w4a16", "compressed-tensors", 4),
+                                               ("llama-ct-mxfp4", "compressed-tensors-mxfp4", 4)])
+def test_gguf_codes_are_kept_into_other_formats(tmp_path, src, target, bits):
+    """A GGUF's Q8_0 / Q4_0 / MXFP4 blocks become the target's modules with their codes (groups of 32,
+    d the scale), and the result computes what the producer's original folder computes: `qconv validate`
+    of the two passes with no tolerance."""
+    g = gguf_of(src, tmp_path / "m.gguf")
+    proc = run_qconv("convert", "--json", g, tmp_path / "out", "--to", target, check=0)
+    (comp,) = json.loads(proc.stdout)["components"]
+    assert comp["from"] == "GGUF" and comp["codes_kept"] == comp["modules"] == 14 and comp["requantized"] == 0
+    if target != "compressed-tensors-mxfp4":
+        qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+        assert json.dumps(qc).count(f'"num_bits": {bits}') or qc.get("bits") == bits
+    run_qconv("validate", CHECKPOINTS / src, tmp_path / "out", check=0)
+
+
+def test_validate_pairs_a_folder_with_a_gguf(tmp_path):
+    """`qconv validate SRC out.gguf`: layer by layer across the name map; equal where codes were kept
+    (exit 0), a requantized file fails without --tol (exit 1) and passes with it."""
+    kept = gguf_of("llama-gptq-w4g64-asym", tmp_path / "kept.gguf")
+    proc = run_qconv("validate", "--json", CHECKPOINTS / "llama-gptq-w4g64-asym", kept, check=0)
+    report = json.loads(proc.stdout)
+    assert report["ok"] and len(report["layers"]) >= 14
+    lossy = gguf_of("llama-gptq-w4g128-actorder", tmp_path / "lossy.gguf")
+    run_qconv("validate", CHECKPOINTS / "llama-gptq-w4g128-actorder", lossy, check=1)
+    run_qconv("validate", "--tol", "0.2", CHECKPOINTS / "llama-gptq-w4g128-actorder", lossy, check=0)
+
+
+def test_what_a_gguf_source_cannot_give_is_refused_by_name(tmp_path):
+    """Block types with no exact form here (Q5_1, written by gguf-py's own quantizer) and block-typed
+    embeddings are refused by convert, naming `qconv dequantize`, which reads them; nothing is written."""
+    src = gguf_of("llama-gptq-w8g128", tmp_path / "m.gguf")
+    requantize_gguf(src, tmp_path / "q51.gguf", lambda name, kind: name == "blk.1.ffn_up.weight")
+    one_error(run_qconv("convert", tmp_path / "q51.gguf", tmp_path / "out", "--to", "gptq"), 5,
+              "model.layers.1.mlp.up_proj", "Q5_1", "qconv dequantize")
+    # llama's q / k in float: their rows are in llama.cpp's rotary order, which only dequantize undoes
+    f16 = gguf_of("llama-fp16", tmp_path / "f16.gguf", "--gguf-float")
+    one_error(run_qconv("convert", f16, tmp_path / "out", "--to", "gptq"), 5, "attn_k.weight", "qconv dequantize")
+    assert not (tmp_path / "out").exists()
+    run_qconv("dequantize", tmp_path / "q51.gguf", tmp_path / "float", check=0)
+    run_qconv("convert", tmp_path / "float", tmp_path / "out", "--to", "gptq", "--bits", "8", check=0)
