@@ -61,7 +61,8 @@ def _g_idx(comp: Component, m: QuantModule):
             if g.size != m.in_features:
                 raise CorruptCheckpoint(f"holds {g.size} entries for {m.in_features} input features", file=info.file,
                                         tensor=info.name)
-            return g
+            group = m.group_size if m.group_size and m.group_size > 0 else m.in_features
+            return None if np.array_equal(g, np.arange(g.size) // group) else g     # trivial: no act-order
     return None
 
 
@@ -80,7 +81,7 @@ def _natural_type(comp, det, m: QuantModule, opts: Options, src_dtype: str) -> t
         if type_name is None and not opts.gguf_float:
             raise UnsupportedFormat(f"{reason}: no GGUF block type holds it; use --gguf-float to store it as "
                                     f"float", file=where, tensor=m.name)
-        if type_name and opts.bits is not None and codec.requant_settings(type_name)[0] != opts.bits and type_name != "MXFP4":
+        if type_name not in (None, "MXFP4") and opts.bits is not None and codec.requant_settings(type_name)[0] != opts.bits:
             type_name = "Q4_0" if opts.bits == 4 else "Q8_0"
             reason = reason or f"{src_spec.bits}-bit codes become {opts.bits}-bit (--bits {opts.bits})"
     return type_name, reason
@@ -112,6 +113,9 @@ def _module_out(comp, det, m: QuantModule, opts: Options, arch, name: str, src_d
                     st.scale_rounding(exact, stored)
             except ValueError as exc:
                 lossy = f"its codes do not fit {type_name} ({exc})"
+        if lossy and type_name == "MXFP4":             # planned from e8m0 scales, which always fit
+            raise UnsupportedFormat(f"cannot be written as MXFP4: {lossy}", tensor=m.name,
+                                    file=comp.tensors[m.weight_tensors[0]].file)
         if lossy:
             w = _exact_weights(comp, m, source)
             bits, sym = codec.requant_settings(type_name)

@@ -137,6 +137,15 @@ def test_what_cannot_be_kept_is_requantized_with_its_error(tmp_path, src, to, re
     assert all(0 < r["rel_frobenius"] <= r["rtn_rel_frobenius"] < 0.3 for r in comp["layers"])
 
 
+def test_bits_request(tmp_path):
+    """--bits 8 requantizes 4-bit codes to Q8_0 and says why; MXFP4 keeps its own type whatever --bits."""
+    comp = convert("llama-ct-w4a16", tmp_path / "q8.gguf", "--bits", "8")
+    assert comp["requantized"] == 14 and set(comp["gguf_types"]) == {"Q8_0", "F16", "F32"}
+    assert {r["reason"] for r in comp["layers"]} == {"4-bit codes become 8-bit (--bits 8)"}
+    comp = convert("llama-ct-mxfp4", tmp_path / "mx.gguf", "--bits", "4")
+    assert comp["codes_kept"] == 14 and comp["gguf_types"]["MXFP4"] == 14
+
+
 def test_float_options(tmp_path):
     """A float model: --bits 4 gives Q4_0; --gguf-float keeps every Linear as the model's float16, byte
     for byte the source's values."""

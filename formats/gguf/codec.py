@@ -107,8 +107,8 @@ def encode(qt: QuantTensor, type_name: str) -> tuple[np.ndarray, np.ndarray]:
         mant, exp = np.frexp(s)
         if not np.all(mant == 0.5):
             raise ValueError("MXFP4 scales are not powers of two")
-        e = exp.astype(np.int32) - 1 + 127          # s = 2^(e - 127)
-        if e.min(initial=1) < 1 or e.max(initial=0) > 254:
+        e = exp.astype(np.int32) - 1 + 127          # s = 2^(e - 127); e8m0 holds 0 .. 254 (255: NaN)
+        if e.min(initial=0) < 0 or e.max(initial=0) > 254:
             raise ValueError("MXFP4 scales are outside e8m0's range")
         codes = qt.codes.reshape(out, nb, QK).astype(np.uint8)
         # ggml decodes kvalues[n] * 2^(e - 128) with kvalues doubled, so the same byte e gives e2m1 * s
