@@ -36,9 +36,6 @@ QK = 32
 TYPES = {name: (tid, size) for tid, (name, block, size) in GGML_TYPES.items()
          if name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "MXFP4")}
 FTYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "BF16": 32, "MXFP4": 38}  # llama_ftype
-ASYM_TYPES = ("Q5_0", "Q4_1")
-# e2m1 values doubled (ggml's kvalues_mxfp4), indexed by the e2m1 code (sign bit 3, magnitude 0..7)
-E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
 
 def row_bytes(type_name: str, inp: int) -> int:
