@@ -64,6 +64,14 @@ def _rows(path: Path, t, hf_name: str, config: dict, code: str, permute: bool, s
     return OutTensor(hf_name, code, shape, chunks)
 
 
+def _warnings(g) -> list[str]:
+    own = g.meta.get("general.architecture")
+    if own == g.arch.name:
+        return []
+    return [f"a {own} file holds a VL model's text decoder: written as the text model it computes on text "
+            f"({g.arch.hf_class}); its vision tower is llama.cpp's mmproj file, not this one"]
+
+
 def dequantize_gguf(src: Path, dst: Path, *, dtype: str | None = None, overwrite: bool = False,
                     max_shard_size: int = DEFAULT_MAX_SHARD) -> dict:
     import time
@@ -75,7 +83,8 @@ def dequantize_gguf(src: Path, dst: Path, *, dtype: str | None = None, overwrite
     types = {t.type_name for t in g.header.tensors}
     target = dtype or config["dtype"]
     code = FLOAT_CODES[target]
-    tensors = [o for t in g.header.tensors for o in _decoded(src, t, g.names[t.name], config, code, g.arch.permute_qk)]
+    tensors = [o for t in g.header.tensors if t.name in g.names       # rope_freqs: in the config
+               for o in _decoded(src, t, g.names[t.name], config, code, g.arch.permute_qk)]
     config["dtype"] = target
     files = garch.tokenizer_files(g.meta, src)
     with staged_output(src, dst, overwrite=overwrite) as tmp:
@@ -84,6 +93,6 @@ def dequantize_gguf(src: Path, dst: Path, *, dtype: str | None = None, overwrite
             (tmp / name).write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
     report = {"component": src.name, "method": "GGUF", "dtype": target, "dequantized_modules":
               sum(1 for t in g.header.tensors if t.type_name not in ("F32", "F16", "BF16")), **written,
-              "copied": sorted(files), "ggml_types": sorted(types), "warnings": []}
+              "copied": sorted(files), "ggml_types": sorted(types), "warnings": _warnings(g)}
     return {"source": str(src), "destination": str(dst), "seconds": round(time.monotonic() - t0, 3),
             "components": [report]}

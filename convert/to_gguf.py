@@ -14,6 +14,7 @@ Float tensors are stored as llama.cpp's converter stores them by default: 1-D (n
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from .engine import DEFAULT_MAX_SHARD, plain_chunks
 from .requantize import requantize
 from .staging import staged_output
 
+ROPE_FREQS = "rope_parameters (llama3)"         # the source of rope_freqs: computed from config.json
 _FLOAT_GGML = {"F16": (np.float16, "F16"), "F32": (np.float32, "F32"), "BF16": (np.uint16, "BF16")}
 
 
@@ -208,11 +210,60 @@ def _stacked(comp, det, group: list[QuantModule], opts: Options, arch, name: str
                 pattern, kept=kept, stored_float=as_float, experts=len(outs))
 
 
+def _source_fields(comp: Component) -> list | None:
+    """A GGUF source's own metadata as (key, (value type, array item type), value), types as they are
+    in the file; None for a folder."""
+    if not (comp.path.is_file() and looks_like_gguf(comp.path)):
+        return None
+    st = comp.path.stat()
+    return _fields(str(comp.path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _fields(path: str, size: int, mtime: int) -> list:
+    import gguf
+
+    out = []
+    for key, f in gguf.GGUFReader(path).fields.items():
+        if key.startswith("GGUF."):
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        out.append((key, (vtype, sub), f.contents()))
+    return out
+
+
+def arch_of(comp: Component):
+    """The architecture written: a GGUF source's own (a VL model's text decoder stays one, though its
+    config is the text model's), else the Hugging Face config's."""
+    fields = _source_fields(comp)
+    own = next((v for k, _, v in fields if k == "general.architecture"), None) if fields else None
+    return garch.BY_GGUF_NAME[own] if own in garch.BY_GGUF_NAME else garch.arch_of(comp.config, comp.path)
+
+
+def _source_rope_factors(comp: Component):
+    """A GGUF source's own rope_freqs, as they are (its config holds the llama-3 rope they were read as)."""
+    from ..formats.gguf.header import read_header
+    from ..formats.gguf.source import ROPE_FREQS as NAME, rope_factors
+
+    t = next((t for t in read_header(comp.path).tensors if t.name == NAME), None)
+    return None if t is None else rope_factors(comp.path, t)
+
+
+def _metadata(comp: Component, arch) -> list:
+    """The architecture's hyperparameters and the tokenizer: a GGUF source's own, as they are (types
+    included), else from the Hugging Face config and tokenizer.json."""
+    fields = _source_fields(comp)
+    if fields is not None:
+        return [kv for kv in fields if kv[0].startswith((f"{arch.name}.", "tokenizer."))]
+    return garch.hparams(comp.config, arch, comp.path) + garch.tokenizer(comp.path, comp.config, comp.root)
+
+
 def plan(comp: Component, opts: Options, tally: Tally) -> tuple[object, list[_Out], list]:
     det = require_decodable(comp)
-    arch = garch.arch_of(comp.config, comp.path)
+    arch = arch_of(comp)
     modules = modules_of(comp, det, opts)
-    n_blocks = int(comp.config["num_hidden_layers"])
+    n_blocks = int(garch.text_config(comp.config)["num_hidden_layers"])
     src_dtype = model_dtype(comp, det)
     outs, claimed, stacks = [], set(det.claimed_tensors), {}
     for m in modules:
@@ -223,6 +274,8 @@ def plan(comp: Component, opts: Options, tally: Tally) -> tuple[object, list[_Ou
             stacks.setdefault(f"{expert[1]}.{expert[3]}", {})[int(expert[2])] = m
             continue
         name = garch.gguf_name(m.name + ".weight", arch, n_blocks, where)
+        if name is None:                              # a VL model's vision tower: the mmproj file's
+            continue
         typed = _natural_type(comp, det, m, opts, src_dtype)
         outs.append(_module_out(comp, det, m, opts, arch, name, src_dtype, tally, typed,
                                 as_float=bool(opts.gguf_float and typed[1])))
@@ -239,37 +292,17 @@ def plan(comp: Component, opts: Options, tally: Tally) -> tuple[object, list[_Ou
             if o is not None:
                 outs.append(o)
     outs.sort(key=lambda o: natural_key(o.source))
-    return det, outs, garch.hparams(comp.config, arch, comp.path) + _tokenizer(comp)
+    factors = _source_rope_factors(comp) if _source_fields(comp) is not None else garch.rope_freqs(comp.config)
+    if factors is not None:                           # llama-3's rope scaling, as llama.cpp's converter writes it
+        outs.insert(0, _Out("rope_freqs.weight", "F32", factors.shape, np.float32, factors.nbytes,
+                            lambda: iter([factors]), ROPE_FREQS))
+    return det, outs, _metadata(comp, arch)
 
 
 def _source_name(comp: Component) -> str:
     """general.name: a GGUF source's own, else the source folder's name."""
-    if comp.path.is_file() and looks_like_gguf(comp.path):
-        from ..formats.gguf.source import full_metadata
-
-        name = full_metadata(comp.path).get("general.name")
-        if isinstance(name, str):
-            return name
-    return comp.path.name
-
-
-def _tokenizer(comp: Component) -> list:
-    """The tokenizer's metadata: from tokenizer.json beside the weights, or a GGUF source's own, as it is."""
-    if comp.path.is_file() and looks_like_gguf(comp.path):
-        from ..formats.gguf.source import full_metadata
-
-        kinds = {str: "str", bool: "bool", int: "u32"}
-        kv = []
-        for key, value in full_metadata(comp.path).items():
-            if not key.startswith("tokenizer."):
-                continue
-            if isinstance(value, list):
-                kind = "i32[]" if value and isinstance(value[0], int) else "str[]"
-            else:
-                kind = kinds.get(type(value), "f32")
-            kv.append((key, kind, value))
-        return kv
-    return garch.tokenizer(comp.path, comp.config, comp.root)
+    name = next((v for k, _, v in _source_fields(comp) or [] if k == "general.name"), None)
+    return name if isinstance(name, str) else comp.path.name
 
 
 def _file_type(outs: list[_Out]) -> int:
@@ -281,10 +314,12 @@ def _file_type(outs: list[_Out]) -> int:
     return codec.FTYPE[top]
 
 
-def _add(writer, key: str, kind: str, value) -> None:
+def _add(writer, key: str, kind, value) -> None:
     import gguf
 
-    if kind == "str":
+    if isinstance(kind, tuple):                        # a GGUF source's own field, in its own types
+        writer.add_key_value(key, value, kind[0], sub_type=kind[1])
+    elif kind == "str":
         writer.add_string(key, value)
     elif kind == "u32":
         writer.add_uint32(key, value)
@@ -305,7 +340,7 @@ def write(comp: Component, path: Path, opts: Options, max_shard: int) -> dict:
 
     tally = Tally()
     det, outs, kv = plan(comp, opts, tally)
-    arch = garch.arch_of(comp.config, comp.path)
+    arch = arch_of(comp)
     split = max_shard if sum(o.nbytes for o in outs) > max_shard else 0     # gguf-py warns of a split it skips
     writer = gguf.GGUFWriter(path, arch.name, split_max_size=split)
     for key, kind, value in kv:
@@ -344,6 +379,10 @@ def write(comp: Component, path: Path, opts: Options, max_shard: int) -> dict:
             written += n
     writer.close()
     summary = tally.summary()
+    vision = sum(1 for n in comp.tensors if arch.text_of and garch.is_vision(n))
+    warnings = list(det.warnings) + ([f"{vision} vision-tower tensors not written: llama.cpp reads a VL model's "
+                                      f"vision tower from an mmproj file, which qconv does not write yet"]
+                                     if vision else [])
     requantized = {r["module"] for r in summary["layers"]}
 
     def codes(o: _Out) -> str | None:
@@ -362,7 +401,7 @@ def write(comp: Component, path: Path, opts: Options, max_shard: int) -> dict:
     return {"component": comp.name, "from": det.method, "to": "gguf", "search": opts.search, **summary,
             "gguf_types": dict(sorted(by_type.items())), "gguf_tensors": tensors,
             "shards": [f.name for f in files], "tensors": len(outs), "bytes_written": written,
-            "warnings": list(det.warnings)}
+            "warnings": warnings}
 
 
 def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
@@ -402,7 +441,7 @@ def check(comp: Component, files: list[Path], report: dict, shown: Path) -> dict
     det = require_decodable(comp)
     src_dtype = model_dtype(comp, det)
     modules = {m.name: m for m in modules_of(comp, det, Options("gguf"))}
-    permute = garch.arch_of(comp.config, comp.path).permute_qk
+    permute = arch_of(comp).permute_qk
     stored = {}
     for f in files:
         for t in gguf.GGUFReader(f).tensors:
@@ -416,6 +455,12 @@ def check(comp: Component, files: list[Path], report: dict, shown: Path) -> dict
             raise ValidationFailed(f"validation failed, nothing written: tensor {entry['tensor']!r} is missing",
                                    file=shown)
         got = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        if entry["source"] == ROPE_FREQS:
+            if not np.allclose(got, garch.rope_freqs(comp.config), rtol=1e-5, atol=0):
+                raise ValidationFailed(f"validation failed, nothing written: {entry['tensor']} is not llama-3's rope "
+                                       f"factors of config.json", file=shown)
+            checked += 1
+            continue
         n = entry.get("experts", 0)
         parts = [entry["source"].format(i) for i in range(n)] if n else [entry["source"]]
         got = got.reshape(max(n, 1), -1, got.shape[-1])

@@ -24,7 +24,7 @@ def tensors_of(path):
 @pytest.mark.parametrize("src, args", [("llama-gptq-w4g64-asym", ()), ("llama-gptq-w8g128", ()),
                                        ("llama-ct-mxfp4", ()), ("llama-gptq-w3g128", ()),
                                        ("qwen3moe-fp8-block", ()), ("qwen2-autoround-w4g128", ()),
-                                       ("qwen3moe-bf16", ("--gguf-float",))])
+                                       ("qwen3moe-bf16", ("--gguf-float",)), ("qwen3vl-bnb8-skipvisual", ())])
 def test_gguf_to_gguf_gives_every_tensor_back(tmp_path, src, args):
     """GGUF -> GGUF: every tensor the same type and the same bytes, the metadata the same (stacked MoE
     experts, llama's permuted q / k and Q5_0's 5-bit codes included)."""
@@ -78,3 +78,43 @@ def test_what_a_gguf_source_cannot_give_is_refused_by_name(tmp_path):
     assert not (tmp_path / "out").exists()
     run_qconv("dequantize", tmp_path / "q51.gguf", tmp_path / "float", check=0)
     run_qconv("convert", tmp_path / "float", tmp_path / "out", "--to", "gptq", "--bits", "8", check=0)
+
+
+def test_llama3_rope_factors_read_back_as_the_rope_scaling(tmp_path):
+    """A llama GGUF's rope_freqs (llama-3's rope scaling) is read back as config.json's rope_parameters
+    (llama-3.1's own numbers here: factor 8, low / high 1 / 4, an original context of 8192), which
+    transformers turns into the same model: its logits from the folder dequantize writes equal those of
+    the source folder's float model. GGUF -> GGUF keeps the factors byte for byte. Factors that are not
+    llama-3's ramp are refused by name, nothing written."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "llama3"
+    shutil.copytree(CHECKPOINTS / "llama-gptq-w8g128", src)
+    config = json.loads((src / "config.json").read_text())
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    config["rope_parameters"] = rope
+    (src / "config.json").write_text(json.dumps(config))
+    run_qconv("convert", src, tmp_path / "m.gguf", "--to", "gguf", check=0)
+    run_qconv("dequantize", tmp_path / "m.gguf", tmp_path / "back", check=0)
+    run_qconv("dequantize", src, tmp_path / "direct", check=0)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["rope_parameters"] == rope
+    ids = torch.tensor([[1, 5, 7, 9, 11, 13, 17, 19]])
+    with torch.no_grad():
+        a = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32)(ids).logits
+        b = AutoModelForCausalLM.from_pretrained(tmp_path / "direct", dtype=torch.float32)(ids).logits
+    assert torch.equal(a, b)
+    run_qconv("convert", "--validate", tmp_path / "m.gguf", tmp_path / "again.gguf", "--to", "gguf", check=0)
+    assert tensors_of(tmp_path / "m.gguf") == tensors_of(tmp_path / "again.gguf")
+    shutil.copy(tmp_path / "m.gguf", tmp_path / "bent.gguf")
+    reader = gguf.GGUFReader(tmp_path / "bent.gguf", "r+")
+    factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    factors.data[:] = np.linspace(1, 3, factors.data.size, dtype=np.float32)
+    reader.data.flush()
+    for verb in (("dequantize", tmp_path / "bent.gguf", tmp_path / "out"),
+                 ("convert", tmp_path / "bent.gguf", tmp_path / "out", "--to", "gptq")):
+        one_error(run_qconv(*verb), 5, "rope_freqs.weight", "llama-3's rope scaling")
+        assert not (tmp_path / "out").exists()

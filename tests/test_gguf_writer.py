@@ -38,7 +38,7 @@ KEPT = {
 
 
 def convert(src, dst, *args, check=0):
-    proc = run_qconv("convert", "--json", CHECKPOINTS / src, dst, "--to", "gguf", *args, check=check)
+    proc = run_qconv("convert", "--json", CHECKPOINTS / src, dst, "--to", "gguf", *args, check=check)  # src: a name or a path
     return json.loads(proc.stdout)["components"][0] if check == 0 else proc
 
 
@@ -229,9 +229,94 @@ def test_moe_experts_are_stacked_as_llama_cpp_stacks_them(tmp_path):
     assert a.fields["qwen3moe.expert_feed_forward_length"].contents() == 128
 
 
+def test_a_vl_models_text_decoder_is_written_as_llama_cpps_vl_architecture(tmp_path):
+    """Qwen3-VL: the text decoder as llama.cpp's qwen3vl (what its converter's Qwen3VLTextModel writes:
+    the text_config's hyperparameters, the mrope sections padded to 4, the deepstack layer count), its
+    LLM.int8 codes kept as Q8_0 (d = SCB / 127 rounded to float16, reported), and the vision tower
+    (quantized too by transformers 5, as in the user's seed) left out with a warning that names it:
+    llama.cpp reads it from an mmproj file."""
+    src = "qwen3vl-bnb8-skipvisual"
+    comp = convert(src, tmp_path / "m.gguf", "--validate")
+    assert comp["validation"]["ok"] and comp["codes_kept"] == comp["modules"] == 14 and comp["requantized"] == 0
+    assert 0 < comp["max_scale_rel_error"] <= 2.0 ** -11
+    config = json.loads((CHECKPOINTS / src / "config.json").read_text())
+    text = config["text_config"]
+    reader, back, types = read_back(tmp_path / "m.gguf", src)
+
+    def value(key):
+        return reader.fields[key].contents()
+
+    assert value("general.architecture") == "qwen3vl"
+    assert value("qwen3vl.rope.dimension_sections") == text["rope_parameters"]["mrope_section"] + [0]
+    assert value("qwen3vl.n_deepstack_layers") == len(config["vision_config"]["deepstack_visual_indexes"])
+    assert value("qwen3vl.rope.freq_base") == text["rope_parameters"]["rope_theta"]
+    assert value("qwen3vl.block_count") == text["num_hidden_layers"]
+    assert value("qwen3vl.embedding_length") == text["hidden_size"]
+    header = json.loads((CHECKPOINTS / src / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
+        (CHECKPOINTS / src / "model.safetensors").read_bytes()[:8], "little")])
+    vision = [n for n in header if n.startswith("model.visual.")]
+    assert len(vision) > 0 and comp["warnings"] == [f"{len(vision)} vision-tower tensors not written: llama.cpp "
+                                                    f"reads a VL model's vision tower from an mmproj file, which "
+                                                    f"qconv does not write yet"]
+    assert not any("visual" in e["source"] or "merger" in e["source"] for e in comp["gguf_tensors"])
+    assert len(reader.tensors) == 25                  # 2 layers x 11 + token_embd, output_norm, output
+    from safetensors.torch import load_file
+
+    raw = {k: v.float().numpy() for k, v in load_file(CHECKPOINTS / src / "model.safetensors").items()}
+    for entry in comp["gguf_tensors"]:
+        if entry["codes"] is None:
+            continue
+        assert entry["codes"] == "kept" and types[entry["tensor"]] == "Q8_0"
+        assert entry["source"].startswith("model.language_model.layers.")
+        cb = raw[entry["source"] + ".weight"].astype(np.float64)            # bitsandbytes' own CB * SCB / 127
+        scb = raw[entry["source"] + ".SCB"].astype(np.float64)[:, None]
+        w = cb * scb / 127
+        got = back[entry["tensor"]].astype(np.float64)
+        assert np.all(np.abs(got - w) <= comp["max_scale_rel_error"] * np.abs(w) * (1 + 1e-6))
+        assert np.array_equal(np.sign(got), np.sign(cb))
+
+
+def test_llama3_rope_scaling_is_written_as_llama_cpps_rope_factors(tmp_path):
+    """llama-3's rope scaling (rope_type llama3) becomes llama.cpp's rope_freqs tensor (what
+    LlamaModel.generate_extra_tensors writes): one factor per frequency pair, by which llama.cpp divides
+    the frequency, so each factor is transformers' default frequency over its llama-3 one (its own
+    ROPE_INIT_FUNCTIONS["llama3"]), within float32 rounding; --validate checks it; a rope type qconv
+    does not map is refused by name. llama.cpp's run of such a file: tests/test_llamacpp.py."""
+    import shutil
+
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    src = tmp_path / "llama3"
+    shutil.copytree(CHECKPOINTS / "llama-gptq-w8g128", src)
+    config = json.loads((src / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    (src / "config.json").write_text(json.dumps(config))
+    comp = convert(src, tmp_path / "m.gguf", "--validate")
+    assert comp["validation"]["ok"]
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    assert factors.tensor_type.name == "F32"
+    hf = AutoConfig.from_pretrained(src)
+    llama3, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    default, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf)
+    expected = (default / llama3).numpy()
+    assert factors.data.shape == expected.shape == (config["head_dim"] // 2,)
+    assert 1.0 in factors.data and 8.0 in factors.data and ((factors.data > 1) & (factors.data < 8)).any()
+    np.testing.assert_allclose(factors.data, expected, rtol=1e-6)
+    assert reader.fields["llama.rope.freq_base"].contents() == 500000.0
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 64}
+    (src / "config.json").write_text(json.dumps(config))
+    one_error(convert(src, tmp_path / "y.gguf", check=5), 5, "rope type 'yarn'", "nothing written")
+    assert not (tmp_path / "y.gguf").exists()
+
+
 @pytest.mark.parametrize("src, needles", [
     ("qwen3moe-mxfp4-gptoss", ("gate and up rows are interleaved",)),
-    ("qwen3vl-bf16", ("model_type 'qwen3_vl'", "nothing written")),
+    ("qwen3vl-bf16", ("has no tokenizer.json", "nothing written")),      # llama.cpp's GGUF needs one
 ])
 def test_unmapped_models_are_refused(tmp_path, src, needles):
     proc = convert(src, tmp_path / "m.gguf", check=5)

@@ -30,6 +30,7 @@ SCRIPT = REPO / "tests" / "consumers" / "llamacpp_logits.py"
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.consumer(LLAMA_PYTHON, "llama.cpp's Python bindings (.venv-llamacpp)")]
 
+LLAMA3 = "+llama3-rope"       # a fixture's copy whose config asks for llama-3's rope scaling (rope_freqs)
 IDS = [1, 5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37]      # the fixtures' oracle prompt (oracle/logits.safetensors)
 TOLERANCE = 0.1
 
@@ -54,10 +55,12 @@ CASES = [
     ("qwen3-w8-q8_0", "qwen3-autoround-w8g128", (), True),
     ("qwen3moe-fp8-requant", "qwen3moe-fp8-block", (), False),
     ("qwen3moe-bf16-float", "qwen3moe-bf16", ("--gguf-float",), True),
+    ("qwen3vl-bnb8-q8_0", "qwen3vl-bnb8-skipvisual", (), True),
+    ("llama3-rope-q8_0", "llama-gptq-w8g128" + LLAMA3, (), True),
 ]
 K_QUANTS = ("Q4_K_M", "Q6_K")
 ARCH = {"qwen2-w4-q4_0": "qwen2", "qwen3-w8-q8_0": "qwen3", "qwen3moe-fp8-requant": "qwen3moe",
-        "qwen3moe-bf16-float": "qwen3moe"}
+        "qwen3moe-bf16-float": "qwen3moe", "qwen3vl-bnb8-q8_0": "qwen3vl"}
 
 
 def log_softmax(x):
@@ -67,11 +70,12 @@ def log_softmax(x):
 
 
 def float_logits(folder):
-    """transformers' logits of the float model at `folder`, in float32."""
+    """transformers' logits of the float model at `folder`, in float32 (a VL model: on text alone)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    vl = "vision_config" in json.loads((folder / "config.json").read_text())
+    model = (AutoModelForImageTextToText if vl else AutoModelForCausalLM).from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
         return model(torch.tensor([IDS])).logits[0].numpy()
 
@@ -88,6 +92,32 @@ def compare(got, ref) -> dict:
     gaps = b[rows, theirs] - b[rows, ours]
     return {"max_abs_logprob_diff": float(diff), "top1": float((ours == theirs).mean()),
             "real_flips": int((gaps > TOLERANCE).sum())}
+
+
+def source(src, tmp):
+    """The fixture, or for NAME + LLAMA3 a copy of it whose config.json asks for llama-3.1's rope scaling
+    (factor 8, low / high frequency factors 1 / 4) with an original context of 64, so that most of these
+    tiny heads' frequencies are scaled (as Llama-3.1's lowest ones are at 8192)."""
+    if not src.endswith(LLAMA3):
+        return CHECKPOINTS / src
+    dst = tmp / src
+    if not dst.exists():
+        shutil.copytree(CHECKPOINTS / src[:-len(LLAMA3)], dst)
+        config = json.loads((dst / "config.json").read_text())
+        config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": config["rope_parameters"]["rope_theta"],
+                                     "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 64}
+        (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def without_rope_freqs(path, dst):
+    """A second negative control: a copy of a llama-3 GGUF whose rope factors are all 1 (plain rope), as a
+    converter that ignored the rope scaling would write it."""
+    shutil.copy(path, dst)
+    reader = gguf.GGUFReader(dst, "r+")
+    next(t for t in reader.tensors if t.name == "rope_freqs.weight").data[:] = 1.0
+    reader.data.flush()
 
 
 def unpermuted_copy(path, dst):
@@ -109,15 +139,17 @@ def report(tmp_path_factory):
     files, refs = {}, {}
     for case, src, args, kept in CASES:
         files[case] = tmp / f"{case}.gguf"
-        run_qconv("convert", CHECKPOINTS / src, files[case], "--to", "gguf", *args, check=0)
+        run_qconv("convert", source(src, tmp), files[case], "--to", "gguf", *args, check=0)
         if not kept:                # requantized: the float model of what the file holds (qconv reads GGUF back)
             run_qconv("dequantize", files[case], tmp / f"{case}-float", check=0)
             refs[case] = float_logits(tmp / f"{case}-float")
         elif src not in refs:       # codes kept: the float model of the source itself
-            run_qconv("dequantize", CHECKPOINTS / src, tmp / f"{src}-float", check=0)
+            run_qconv("dequantize", source(src, tmp), tmp / f"{src}-float", check=0)
             refs[src] = float_logits(tmp / f"{src}-float")
     files["control-qk-order"] = tmp / "control.gguf"
     unpermuted_copy(files["gptq-w8-q8_0"], files["control-qk-order"])
+    files["control-rope-freqs"] = tmp / "control-rope.gguf"
+    without_rope_freqs(files["llama3-rope-q8_0"], files["control-rope-freqs"])
     for kind in K_QUANTS:              # llama.cpp's own quantizer, from qconv's float GGUF; read back by qconv
         files[kind] = tmp / f"{kind}.gguf"
         proc = subprocess.run([str(LLAMA_PYTHON), str(SCRIPT), "--quantize", kind, str(files["fp16-float"]),
@@ -131,7 +163,8 @@ def report(tmp_path_factory):
                           stdin=subprocess.DEVNULL)
     assert out.is_file(), proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    sources = {case: src if kept else case for case, src, _, kept in CASES} | {"control-qk-order": "llama-gptq-w8g128"}
+    sources = {case: src if kept else case for case, src, _, kept in CASES} | {"control-qk-order": "llama-gptq-w8g128",
+                                                                             "control-rope-freqs": "llama-gptq-w8g128" + LLAMA3}
     sources |= {kind: kind for kind in K_QUANTS}
     table = {}
     for case, path in files.items():
@@ -159,6 +192,17 @@ def test_llama_cpps_own_k_quants_read_back(kind, report):
     entry = report[kind]
     assert "error" not in entry, entry
     assert entry["max_abs_logprob_diff"] <= TOLERANCE and entry["real_flips"] == 0, entry
+
+
+def test_llama3_rope_factors_are_what_llama_cpp_applies(report):
+    """llama-3's rope scaling reaches llama.cpp as rope_freqs: the file agrees with transformers' llama-3
+    model (test_llama_cpp_runs_qconvs_gguf), and the same file with its factors set to 1 is at least twice
+    as far from it. These random tiny models are not very sensitive to rope at 12 positions (measured:
+    0.017 with the factors, 0.042 without), so the factors' values are checked against transformers' own
+    llama-3 frequencies in tests/test_gguf_writer.py."""
+    real, control = report["llama3-rope-q8_0"], report["control-rope-freqs"]
+    assert "error" not in real and "error" not in control, (real, control)
+    assert control["max_abs_logprob_diff"] > 2 * real["max_abs_logprob_diff"], (real, control)
 
 
 def test_negative_control_a_wrong_row_order_is_caught(report):

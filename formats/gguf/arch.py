@@ -30,6 +30,9 @@ class Arch:
     qk_norm: bool = False          # q_norm / k_norm per layer (qwen3)
     qkv_bias: bool = False         # q / k / v biases (qwen2)
     moe: bool = False              # experts stacked per layer (qwen3-moe: ffn_{gate,up,down}_exps, ffn_gate_inp)
+    text_of: str | None = None     # a VL model's text decoder (its text_config, model.language_model.* tensors,
+                                   # mrope sections and deepstack count), computing on text what this
+                                   # model_type does; the vision tower is llama.cpp's mmproj file, not this one
 
 
 ARCHS = {a.model_type: a for a in (
@@ -37,8 +40,26 @@ ARCHS = {a.model_type: a for a in (
     Arch("qwen2", "qwen2", "Qwen2ForCausalLM", qkv_bias=True),
     Arch("qwen3", "qwen3", "Qwen3ForCausalLM", qk_norm=True),
     Arch("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True),
+    Arch("qwen3vl", "qwen3_vl", "Qwen3VLForConditionalGeneration", qk_norm=True, text_of="qwen3"),
 )}
 BY_GGUF_NAME = {a.name: a for a in ARCHS.values()}
+
+_VISION_PREFIXES = ("model.visual.", "visual.")
+_TEXT_PREFIX = "model.language_model."
+
+
+def text_config(config: Mapping | None) -> dict:
+    """The decoder's config: a VL config's text_config over its top level (as llama.cpp's converter reads
+    it), a text model's config as it is."""
+    config = dict(config or {})
+    if isinstance(config.get("text_config"), Mapping):
+        config = {**config, **config["text_config"]}
+    return config
+
+
+def is_vision(hf_name: str) -> bool:
+    """A VL model's vision-tower tensor: llama.cpp reads these from the mmproj file, not the model's."""
+    return hf_name.startswith(_VISION_PREFIXES)
 
 # tokenizer.json pre-tokenizer regexes -> llama.cpp's pre-tokenizer names (llama-vocab.cpp), for the
 # tokenizers whose regex says which it is; ByteLevel's own regex is GPT-2's.
@@ -61,6 +82,7 @@ def arch_of(config: Mapping | None, where) -> Arch:
         raise UnsupportedFormat(f"model_type {mt!r} has no GGUF mapping in qconv (mapped: {', '.join(sorted(ARCHS))}); "
                                 f"nothing written", file=where)
     arch = ARCHS[mt]
+    config = text_config(config)
     if arch.moe:
         why = None
         if config.get("mlp_only_layers"):
@@ -82,24 +104,98 @@ def arch_of(config: Mapping | None, where) -> Arch:
     return arch
 
 
-def _rope_theta(config: Mapping, where) -> float:
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+def _rope(config: Mapping) -> Mapping:
+    return config.get("rope_parameters") or config.get("rope_scaling") or {}
+
+
+def _rope_theta(config: Mapping, arch: Arch, where) -> float:
+    rope = _rope(config)
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in (None, "default"):
-        raise UnsupportedFormat(f"rope type {kind!r} is not mapped to GGUF by qconv (default rope only); "
-                                f"nothing written", file=where)
+    if kind not in (None, "default") and not (kind == "llama3" and arch.permute_qk):
+        raise UnsupportedFormat(f"rope type {kind!r} is not mapped to GGUF by qconv for {arch.name} (default rope, "
+                                f"and llama-3's for llama); nothing written", file=where)
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     return float(theta)
 
 
+def rope_freqs(config: Mapping):
+    """llama-3's rope scaling as llama.cpp takes it: the rope_freqs tensor, one factor per rotary
+    frequency pair that llama.cpp divides each frequency by (LlamaModel.generate_extra_tensors, the
+    same arithmetic in float32); None where the rope is not llama-3's."""
+    import numpy as np
+
+    config = text_config(config)
+    rope = _rope(config)
+    if rope.get("rope_type", rope.get("type")) != "llama3":
+        return None
+    base = np.float32(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    freqs = np.float32(1.0) / (base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    factor = float(rope.get("factor", 8.0))
+    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    old = float(rope.get("original_max_position_embeddings", 8192))
+    out = []
+    for freq in freqs:
+        wavelen = np.float32(2 * np.pi) / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def llama3_rope(factors, config: Mapping, where) -> dict:
+    """rope_parameters of llama-3's rope scaling from a GGUF's rope_freqs (the inverse of rope_freqs()).
+    The factors fix the scaling factor (the largest) and, from two or more factors between 1 and it, the
+    smooth ramp s = a / wavelength - b; llama-3's (original context, low, high frequency factors) are
+    (a k, b k, (b + 1) k) for any k, the same factors for each, and k = 1 / b makes the low frequency
+    factor 1, as every Llama-3.x config has it. Refused where the factors are not of that form."""
+    import numpy as np
+
+    f = np.asarray(factors, np.float64)
+    theta = float((config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    if f.shape != (dim // 2,) or not np.all(np.isfinite(f)) or f.min(initial=1) < 1:
+        raise UnsupportedFormat(f"its rope_freqs are not {dim // 2} factors of at least 1 (llama-3's rope scaling)",
+                                file=where, tensor="rope_freqs.weight")
+    if np.all(f == 1):
+        return {"rope_theta": theta, "rope_type": "default"}
+    factor = float(f.max())
+    mid = (f > 1) & (f < factor)
+    wavelen = 2 * np.pi * theta ** (np.arange(0, dim, 2) / dim)
+    if mid.sum() < 2:
+        raise UnsupportedFormat("its rope_freqs have fewer than two factors on llama-3's ramp, which do not fix "
+                                "its rope scaling; nothing written", file=where, tensor="rope_freqs.weight")
+    s = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
+    a, b = np.polyfit(1 / wavelen[mid], s, 1) * [1, -1]
+    rope = {"rope_theta": theta, "rope_type": "llama3", "factor": float(f"{factor:.6g}"), "low_freq_factor": 1.0,
+            "high_freq_factor": float(f"{(b + 1) / b:.6g}"), "original_max_position_embeddings": int(round(a / b))}
+    again = rope_freqs({**config, "rope_parameters": rope})
+    if not np.allclose(again, f, rtol=1e-5, atol=0):
+        raise UnsupportedFormat("its rope_freqs are not llama-3's rope scaling of any original context (the "
+                                "factors do not follow its ramp); nothing written", file=where,
+                                tensor="rope_freqs.weight")
+    return rope
+
+
 def experts(config: Mapping) -> int:
+    config = text_config(config)
     return int(config.get("num_experts") or config.get("num_local_experts") or 0)
 
 
 def hparams(config: Mapping, arch: Arch, where) -> list[tuple[str, str, object]]:
     """(gguf key, value type, value) for the architecture's hyperparameters, as TextModel.set_gguf_parameters
     and the architecture's own class write them."""
+    vision = (config or {}).get("vision_config") or {}
+    config = text_config(config)
     a = arch.name
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("mrope_section") and not arch.text_of:
+        raise UnsupportedFormat(f"has multimodal rope sections (mrope_section), which llama.cpp's {a} does not "
+                                f"compute; nothing written", file=where)
     heads = int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
     kv = [
@@ -109,7 +205,7 @@ def hparams(config: Mapping, arch: Arch, where) -> list[tuple[str, str, object]]
         (f"{a}.feed_forward_length", "u32", int(config["intermediate_size"])),
         (f"{a}.attention.head_count", "u32", heads),
         (f"{a}.attention.head_count_kv", "u32", int(config.get("num_key_value_heads") or heads)),
-        (f"{a}.rope.freq_base", "f32", _rope_theta(config, where)),
+        (f"{a}.rope.freq_base", "f32", _rope_theta(config, arch, where)),
         (f"{a}.attention.layer_norm_rms_epsilon", "f32", float(config.get("rms_norm_eps", 1e-5))),
     ]
     if config.get("head_dim"):
@@ -118,6 +214,13 @@ def hparams(config: Mapping, arch: Arch, where) -> list[tuple[str, str, object]]
         kv += [(f"{a}.expert_count", "u32", experts(config)),
                (f"{a}.expert_used_count", "u32", int(config["num_experts_per_tok"])),
                (f"{a}.expert_feed_forward_length", "u32", int(config["moe_intermediate_size"]))]
+    if arch.text_of:                                  # Qwen3VLTextModel.set_gguf_parameters
+        sections = rope.get("mrope_section")
+        if not isinstance(sections, list) or not 0 < len(sections) <= 4 or not all(isinstance(x, int) for x in sections):
+            raise UnsupportedFormat(f"has no mrope_section of at most 4 integers in its rope parameters, which "
+                                    f"llama.cpp's {a} needs; nothing written", file=where)
+        kv += [(f"{a}.rope.dimension_sections", "i32[]", (list(sections) + [0, 0, 0])[:4]),
+               (f"{a}.n_deepstack_layers", "u32", len(vision.get("deepstack_visual_indexes") or []))]
     if arch.permute_qk:                               # LlamaModel.set_gguf_parameters
         kv += [(f"{a}.vocab_size", "u32", int(config["vocab_size"])), (f"{a}.rope.dimension_count", "u32", head_dim)]
     return kv
@@ -125,6 +228,7 @@ def hparams(config: Mapping, arch: Arch, where) -> list[tuple[str, str, object]]
 
 def heads_of(config: Mapping, hf_name: str) -> int | None:
     """The head count llama.cpp's permutation of this tensor's rows uses (None: not q / k)."""
+    config = text_config(config)
     if hf_name.endswith("self_attn.q_proj.weight"):
         return int(config["num_attention_heads"])
     if hf_name.endswith("self_attn.k_proj.weight"):
@@ -164,6 +268,7 @@ def tokenizer(folder: Path, config: Mapping, root) -> list[tuple[str, str, objec
         raise UnsupportedFormat("tokenizer.json is not a BPE tokenizer, the only kind qconv maps to GGUF; "
                                 "nothing written", file=path)
     pre = _pre_name(tok, path)
+    config = text_config(config)
     vocab = {int(i): t for t, i in model["vocab"].items()}
     added = {int(a["id"]): a for a in tok.get("added_tokens") or [] if isinstance(a, dict) and "id" in a}
     for i, a in added.items():
@@ -229,9 +334,12 @@ def _name_map(arch_name: str, n_blocks: int):
 
 def gguf_name(hf_name: str, arch: Arch, n_blocks: int, where) -> str | None:
     """llama.cpp's name for a Hugging Face tensor (gguf-py's TensorNameMap for the architecture); None
-    for tensors llama.cpp does not load (rotary inv_freq buffers)."""
-    if hf_name.endswith("rotary_emb.inv_freq"):
+    for tensors llama.cpp does not load (rotary inv_freq buffers, a VL model's vision tower: llama.cpp's
+    mmproj file holds that)."""
+    if hf_name.endswith("rotary_emb.inv_freq") or (arch.text_of and is_vision(hf_name)):
         return None
+    if arch.text_of and hf_name.startswith(_TEXT_PREFIX):
+        hf_name = "model." + hf_name[len(_TEXT_PREFIX):]
     name = _name_map(arch.name, n_blocks).get_name(hf_name, try_suffixes=(".weight", ".bias"))
     if name is None:
         raise UnsupportedFormat(f"has no llama.cpp name for {arch.name} in gguf-py's tensor map; nothing written",
@@ -241,7 +349,9 @@ def gguf_name(hf_name: str, arch: Arch, n_blocks: int, where) -> str | None:
 
 def hf_tensor_names(config: Mapping, arch: Arch) -> list[str]:
     """The Hugging Face tensors of the architecture's decoder (what a GGUF's tensors are named back to);
-    MoE experts stacked as llama.cpp stores them (``mlp.experts.gate_proj.weight``, one per layer)."""
+    MoE experts stacked as llama.cpp stores them (``mlp.experts.gate_proj.weight``, one per layer); a VL
+    model's under ``model.language_model.``."""
+    config = text_config(config)
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     for i in range(int(config["num_hidden_layers"])):
         p = f"model.layers.{i}."
@@ -255,6 +365,8 @@ def hf_tensor_names(config: Mapping, arch: Arch) -> list[str]:
             names += [p + "mlp.gate.weight"] + [p + f"mlp.experts.{x}_proj.weight" for x in ("gate", "up", "down")]
         else:
             names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    if arch.text_of:
+        names = [n.replace("model.", _TEXT_PREFIX, 1) if n.startswith("model.") else n for n in names]
     return names
 
 
@@ -272,12 +384,17 @@ def _f32(value) -> float:
 
 def config_from(meta: Mapping, where) -> dict:
     """config.json for a GGUF's architecture, from its metadata: the inverse of hparams() (what
-    llama.cpp's converter wrote from the Hugging Face config)."""
+    llama.cpp's converter wrote from the Hugging Face config). A VL model's text decoder (qwen3vl) is
+    the text model it computes on text (Qwen3ForCausalLM): on text, the three mrope position streams are
+    equal, so its rope is the plain one, and deepstack adds only image features; the vision tower is not
+    in the file (llama.cpp's mmproj file holds it)."""
     a = meta.get("general.architecture")
     if a not in BY_GGUF_NAME:
         raise UnsupportedFormat(f"GGUF architecture {a!r} has no Hugging Face mapping in qconv (mapped: "
                                 f"{', '.join(sorted(BY_GGUF_NAME))}); nothing written", file=where)
     arch = BY_GGUF_NAME[a]
+    if arch.text_of:                                  # a VL model's text decoder: the text model it computes
+        arch = BY_GGUF_NAME[arch.text_of]
 
     def need(key):
         if f"{a}.{key}" not in meta:

@@ -14,13 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...errors import UnsupportedFormat
+from ...errors import CorruptCheckpoint, UnsupportedFormat
 from ..storage.checkpoint import Component
 from ..storage.safetensors_header import TensorInfo
 from . import arch as garch
 from .header import GGUFHeader, read_header
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
+ROPE_FREQS = "rope_freqs.weight"                  # llama-3's rope scaling, as llama.cpp's converter writes it
 _MODEL_DTYPES = {"BF16": "bfloat16", "F16": "float16"}
 
 
@@ -67,14 +68,37 @@ def open_checked(path: Path) -> Opened:
     config = garch.config_from(meta, path)
     arch = garch.ARCHS[config["model_type"]]
     names = gguf_names(config, arch, path)
+    factors = next((t for t in header.tensors if t.name == ROPE_FREQS), None)
+    if factors is not None:                           # llama-3's rope scaling: config.json's, not a tensor
+        if not arch.permute_qk or factors.type_name != "F32":
+            raise UnsupportedFormat(f"holds {ROPE_FREQS} ({factors.type_name}), which qconv maps back only as "
+                                    f"llama's F32 rope factors (llama-3's rope scaling); nothing written",
+                                    file=path, tensor=factors.name)
+        config["rope_parameters"] = garch.llama3_rope(rope_factors(path, factors), config, path)
     for t in header.tensors:
+        if t.name == ROPE_FREQS:
+            continue
         if t.name not in names:
             raise UnsupportedFormat(f"has no Hugging Face name in qconv's {arch.name} mapping; nothing written",
                                     file=path, tensor=t.name)
-    if "lm_head.weight" not in {names[t.name] for t in header.tensors}:
+    if "lm_head.weight" not in {names.get(t.name) for t in header.tensors}:
         config["tie_word_embeddings"] = True          # llama.cpp falls back to token_embd, as transformers does
     config["dtype"] = model_dtype(header)
-    return Opened(header, meta, config, arch, {t.name: names[t.name] for t in header.tensors})
+    return Opened(header, meta, config, arch, {t.name: names[t.name] for t in header.tensors if t.name != ROPE_FREQS})
+
+
+def rope_factors(path: Path, t):
+    """A GGUF's rope_freqs tensor (F32, a few hundred bytes; its size and offset checked by read_header)."""
+    import numpy as np
+
+    from ..storage.safetensors_header import open_regular
+
+    with open_regular(path) as f:
+        f.seek(t.offset)
+        raw = f.read(t.nbytes)
+    if len(raw) != t.nbytes:
+        raise CorruptCheckpoint("file ended while reading the tensor: truncated", file=path, tensor=t.name)
+    return np.frombuffer(raw, "<f4").copy()
 
 
 def open_gguf(path: Path) -> Component:
@@ -83,6 +107,8 @@ def open_gguf(path: Path) -> Component:
     header, config, arch = g.header, g.config, g.arch
     tensors, types, order = {}, {}, {}
     for t in header.tensors:
+        if t.name not in g.names:                     # rope_freqs: in the config
+            continue
         hf, shape = g.names[t.name], tuple(reversed(t.shape))
         if len(shape) == 3 and ".experts." in hf:      # stacked experts: one tensor per expert, its own rows
             per = t.nbytes // shape[0]

@@ -5,6 +5,7 @@ bits and is widened / rounded here exactly as torch does (round to nearest even,
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 
@@ -116,7 +117,9 @@ def convert_float(values: np.ndarray, src: str, dst: str) -> np.ndarray:
     import torch
 
     raw = np.ascontiguousarray(values)
-    t = torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16) if src == "BF16" else torch.from_numpy(raw)
+    with warnings.catch_warnings():          # a read-only buffer (a file's bytes) is only read here
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        t = torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16) if src == "BF16" else torch.from_numpy(raw)
     out = t.to(getattr(torch, _TORCH[dst]))
     return out.view(torch.int16).numpy().view(np.uint16) if dst == "BF16" else out.numpy()
 
