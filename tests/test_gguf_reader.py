@@ -65,30 +65,34 @@ def test_a_code_kept_gguf_dequantizes_to_the_sources_float_model(tmp_path, src):
         assert torch.equal(a, b)
 
 
-def test_a_vl_gguf_dequantizes_to_the_text_model_it_computes(tmp_path):
-    """A qwen3vl GGUF holds Qwen3-VL's text decoder (its vision tower is llama.cpp's mmproj file):
-    dequantize writes it as Qwen3ForCausalLM, saying so, and on text that model's logits are Qwen3-VL's
-    own on the same weights (the mrope streams are equal for text, deepstack adds image features only).
-    The bf16 fixture has no tokenizer, which a GGUF needs: the bnb8 fixture's (same base) is put beside
-    a copy of it; --gguf-float keeps its bf16 weights as they are."""
+@pytest.mark.parametrize("name, text_class", [("qwen3vl-bf16", "Qwen3ForCausalLM"),
+                                              ("qwen25vl-bf16", "Qwen2ForCausalLM")])
+def test_a_vl_gguf_dequantizes_to_the_text_model_it_computes(tmp_path, name, text_class):
+    """A qwen3vl / qwen2vl GGUF holds Qwen3-VL's / Qwen2.5-VL's text decoder (the vision tower is
+    llama.cpp's mmproj file): dequantize writes it as the text model, saying so, and on text that model's
+    logits are the VL model's own on the same weights (the mrope streams are equal for text; Qwen3-VL's
+    deepstack adds image features only). The qwen3vl-bf16 fixture has no tokenizer, which a GGUF needs:
+    the bnb8 fixture's (same base) is put beside a copy of it; --gguf-float keeps the bf16 weights as
+    they are."""
     import shutil
 
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    src = tmp_path / "qwen3vl-bf16"
-    shutil.copytree(CHECKPOINTS / "qwen3vl-bf16", src)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(CHECKPOINTS / "qwen3vl-bnb8-skipvisual" / name, src / name)
+    src = tmp_path / name
+    shutil.copytree(CHECKPOINTS / name, src)
+    if not (src / "tokenizer.json").exists():
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(CHECKPOINTS / "qwen3vl-bnb8-skipvisual" / f, src / f)
     run_qconv("convert", src, tmp_path / "m.gguf", "--to", "gguf", "--gguf-float", check=0)
     proc = run_qconv("dequantize", "--json", tmp_path / "m.gguf", tmp_path / "back", check=0)
     (comp,) = json.loads(proc.stdout)["components"]
     assert comp["warnings"] and "VL model's text decoder" in comp["warnings"][0]
     cfg = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and "mrope_section" not in cfg["rope_parameters"]
+    assert cfg["architectures"] == [text_class] and "mrope_section" not in cfg["rope_parameters"]
     ids = torch.tensor([[1, 5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37]])
     with torch.no_grad():
         text = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32)(ids).logits
-        vl = AutoModelForImageTextToText.from_pretrained(CHECKPOINTS / "qwen3vl-bf16", dtype=torch.float32)(ids).logits
+        vl = AutoModelForImageTextToText.from_pretrained(CHECKPOINTS / name, dtype=torch.float32)(ids).logits
     torch.testing.assert_close(text, vl, rtol=1e-5, atol=1e-5)
 
 

@@ -314,6 +314,29 @@ def test_llama3_rope_scaling_is_written_as_llama_cpps_rope_factors(tmp_path):
     assert not (tmp_path / "y.gguf").exists()
 
 
+def test_qwen25_vls_text_decoder_is_llama_cpps_qwen2vl(tmp_path):
+    """Qwen2.5-VL (saved by transformers 5 under its original names: model.layers.*, visual.*): the text
+    decoder as llama.cpp's qwen2vl (Qwen2VLModel: the text_config's hyperparameters and the mrope
+    sections; no deepstack), q / k / v biases F32, the vision tower left out with the warning; float
+    weights kept with --gguf-float, and quantized data-free (errors reported) without it."""
+    src = "qwen25vl-bf16"
+    comp = convert(src, tmp_path / "m.gguf", "--gguf-float", "--validate")
+    assert comp["validation"]["ok"]
+    text = json.loads((CHECKPOINTS / src / "config.json").read_text())["text_config"]
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    assert fields["general.architecture"] == "qwen2vl"
+    assert fields["qwen2vl.rope.dimension_sections"] == text["rope_parameters"]["mrope_section"] + [0]
+    assert fields["qwen2vl.rope.freq_base"] == text["rope_parameters"]["rope_theta"]
+    assert "qwen2vl.n_deepstack_layers" not in fields
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_q.bias"] == types["blk.1.attn_v.bias"] == "F32"
+    assert types["blk.0.attn_q.weight"] == "BF16" and len(types) == 27       # 2 x 12 + 3
+    assert len(comp["warnings"]) == 1 and comp["warnings"][0].startswith("30 vision-tower tensors not written")
+    quantized = convert(src, tmp_path / "q.gguf", "--validate")
+    assert quantized["requantized"] == quantized["modules"] == 14 and quantized["validation"]["ok"]
+
+
 @pytest.mark.parametrize("src, needles", [
     ("qwen3moe-mxfp4-gptoss", ("gate and up rows are interleaved",)),
     ("qwen3vl-bf16", ("has no tokenizer.json", "nothing written")),      # llama.cpp's GGUF needs one

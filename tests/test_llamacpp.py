@@ -56,11 +56,13 @@ CASES = [
     ("qwen3moe-fp8-requant", "qwen3moe-fp8-block", (), False),
     ("qwen3moe-bf16-float", "qwen3moe-bf16", ("--gguf-float",), True),
     ("qwen3vl-bnb8-q8_0", "qwen3vl-bnb8-skipvisual", (), True),
+    ("qwen25vl-bf16-float", "qwen25vl-bf16", ("--gguf-float",), True),
     ("llama3-rope-q8_0", "llama-gptq-w8g128" + LLAMA3, (), True),
 ]
 K_QUANTS = ("Q4_K_M", "Q6_K")
 ARCH = {"qwen2-w4-q4_0": "qwen2", "qwen3-w8-q8_0": "qwen3", "qwen3moe-fp8-requant": "qwen3moe",
-        "qwen3moe-bf16-float": "qwen3moe", "qwen3vl-bnb8-q8_0": "qwen3vl"}
+        "qwen3moe-bf16-float": "qwen3moe", "qwen3vl-bnb8-q8_0": "qwen3vl",
+        "qwen25vl-bf16-float": "qwen2vl"}
 
 
 def log_softmax(x):

@@ -33,6 +33,7 @@ class Arch:
     text_of: str | None = None     # a VL model's text decoder (its text_config, model.language_model.* tensors,
                                    # mrope sections and deepstack count), computing on text what this
                                    # model_type does; the vision tower is llama.cpp's mmproj file, not this one
+    deepstack: bool = False        # n_deepstack_layers, the vision tower's layers added to the first ones (qwen3vl)
 
 
 ARCHS = {a.model_type: a for a in (
@@ -40,7 +41,8 @@ ARCHS = {a.model_type: a for a in (
     Arch("qwen2", "qwen2", "Qwen2ForCausalLM", qkv_bias=True),
     Arch("qwen3", "qwen3", "Qwen3ForCausalLM", qk_norm=True),
     Arch("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True),
-    Arch("qwen3vl", "qwen3_vl", "Qwen3VLForConditionalGeneration", qk_norm=True, text_of="qwen3"),
+    Arch("qwen2vl", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", qkv_bias=True, text_of="qwen2"),
+    Arch("qwen3vl", "qwen3_vl", "Qwen3VLForConditionalGeneration", qk_norm=True, text_of="qwen3", deepstack=True),
 )}
 BY_GGUF_NAME = {a.name: a for a in ARCHS.values()}
 
@@ -111,6 +113,8 @@ def _rope(config: Mapping) -> Mapping:
 def _rope_theta(config: Mapping, arch: Arch, where) -> float:
     rope = _rope(config)
     kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "mrope" and arch.text_of:              # older VL configs' name for the multimodal rope
+        kind = "default"
     if kind not in (None, "default") and not (kind == "llama3" and arch.permute_qk):
         raise UnsupportedFormat(f"rope type {kind!r} is not mapped to GGUF by qconv for {arch.name} (default rope, "
                                 f"and llama-3's for llama); nothing written", file=where)
@@ -214,13 +218,14 @@ def hparams(config: Mapping, arch: Arch, where) -> list[tuple[str, str, object]]
         kv += [(f"{a}.expert_count", "u32", experts(config)),
                (f"{a}.expert_used_count", "u32", int(config["num_experts_per_tok"])),
                (f"{a}.expert_feed_forward_length", "u32", int(config["moe_intermediate_size"]))]
-    if arch.text_of:                                  # Qwen3VLTextModel.set_gguf_parameters
+    if arch.text_of:                                  # TextModel's mrope sections; Qwen3VLTextModel's deepstack
         sections = rope.get("mrope_section")
         if not isinstance(sections, list) or not 0 < len(sections) <= 4 or not all(isinstance(x, int) for x in sections):
             raise UnsupportedFormat(f"has no mrope_section of at most 4 integers in its rope parameters, which "
                                     f"llama.cpp's {a} needs; nothing written", file=where)
-        kv += [(f"{a}.rope.dimension_sections", "i32[]", (list(sections) + [0, 0, 0])[:4]),
-               (f"{a}.n_deepstack_layers", "u32", len(vision.get("deepstack_visual_indexes") or []))]
+        kv.append((f"{a}.rope.dimension_sections", "i32[]", (list(sections) + [0, 0, 0])[:4]))
+        if arch.deepstack:
+            kv.append((f"{a}.n_deepstack_layers", "u32", len(vision.get("deepstack_visual_indexes") or [])))
     if arch.permute_qk:                               # LlamaModel.set_gguf_parameters
         kv += [(f"{a}.vocab_size", "u32", int(config["vocab_size"])), (f"{a}.rope.dimension_count", "u32", head_dim)]
     return kv
