@@ -23,13 +23,14 @@ from typing import Callable
 import numpy as np
 
 from ..errors import CorruptCheckpoint, UnsupportedFormat, UsageError
+from ..formats.core.experts import split_interleaved
 from ..formats.core.layout import QuantModule, natural_key
 from ..formats.core.reader import model_dtype, read_module, require_decodable
 from ..formats.gguf import arch as garch
 from ..formats.gguf import codec
 from ..formats.gguf.header import looks_like_gguf
 from ..formats.storage.checkpoint import Component, open_target
-from ..formats.storage.tensor_io import FLOAT_CODES, encode_float, read_array
+from ..formats.storage.tensor_io import FLOAT_CODES, encode_float, read_array, to_float32
 from .convert import Options, Stats, Tally, _check_source, _exact_weights, _read_float, _source_spec, _split_experts
 from .engine import DEFAULT_MAX_SHARD, plain_chunks
 from .requantize import requantize
@@ -179,7 +180,36 @@ def modules_of(comp: Component, det, opts: Options) -> list[QuantModule]:
     module per expert, as convert splits them), or an unquantized source's decoder Linears (data-free)."""
     if not det.modules:
         return _check_source(comp, det, opts)
-    return [v for m in det.modules for v in (_split_experts(comp, m, opts) if m.experts else [m])]
+    return [v for m in det.modules for v in (_experts_of(comp, m, opts) if m.experts else [m])]
+
+
+def _experts_of(comp: Component, m: QuantModule, opts: Options) -> list[QuantModule]:
+    """A fused experts module as one module per expert. gpt-oss' interleaved gate_up (MXFP4) splits here
+    too, where the model is one llama.cpp stacks experts for (qwen3moe): llama.cpp's *_exps take gate and
+    up apart, as its own converter splits gpt-oss (conversion/gpt_oss.py: rows ``::2`` and ``1::2``), and a
+    row's 32-blocks run along the input, so each expert's gate / up rows keep their codes and scales
+    (experts.split_interleaved). Every other target keeps convert's refusal (_split_experts)."""
+    arch = garch.ARCHS.get((comp.config or {}).get("model_type"))
+    if m.details.get("interleaved") and arch is not None and arch.moe:
+        try:
+            return split_interleaved(m)
+        except ValueError as exc:
+            raise UnsupportedFormat(f"holds fused MoE experts that cannot be split into llama.cpp's gate and up "
+                                    f"experts: {exc}", file=comp.tensors[m.weight_tensors[0]].file,
+                                    tensor=m.name) from None
+    return _split_experts(comp, m, opts)
+
+
+def _expert_bias(comp: Component, info, fused: set[str]) -> bool:
+    """Whether a tensor is a fused experts module's bias (gpt-oss' ``experts.gate_up_proj_bias`` /
+    ``down_proj_bias``), left out of the GGUF: llama.cpp's qwen3moe has no expert biases, so only an
+    all-zero one (the same model) is; any other is refused, never dropped."""
+    if not info.name.endswith("_bias") or info.name[: -len("_bias")] not in fused:
+        return False
+    if np.any(to_float32(read_array(info), info.dtype) != 0):
+        raise UnsupportedFormat("holds nonzero expert biases, which llama.cpp's qwen3moe does not load; "
+                                "nothing written", file=info.file, tensor=info.name)
+    return True
 
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.([a-z_]+)$")
@@ -286,8 +316,9 @@ def plan(comp: Component, opts: Options, tally: Tally) -> tuple[object, list[_Ou
                                     f"as llama.cpp stacks them", file=comp.path, tensor=stem)
         name = garch.gguf_name(stem + ".weight", arch, n_blocks, comp.path)
         outs.append(_stacked(comp, det, group, opts, arch, name, src_dtype, tally))
+    fused = {m.details["rows_of"][0].name for m in modules if "rows_of" in m.details}
     for name, info in sorted(comp.tensors.items(), key=lambda kv: natural_key(kv[0])):
-        if name not in claimed:
+        if name not in claimed and not _expert_bias(comp, info, fused):
             o = _float_out(comp, info, arch, n_blocks, info.file)
             if o is not None:
                 outs.append(o)
@@ -436,7 +467,6 @@ def check(comp: Component, files: list[Path], report: dict, shown: Path) -> dict
     import gguf
 
     from ..errors import ValidationFailed
-    from ..formats.storage.tensor_io import to_float32
 
     det = require_decodable(comp)
     src_dtype = model_dtype(comp, det)
@@ -477,7 +507,6 @@ def _mismatch(comp, det, modules, part: str, got: np.ndarray, entry: dict, error
               src_dtype: str, permute: bool) -> str | None:
     """Why one module's (or float tensor's) weights as read back from the GGUF are not what was written
     from the source; None where they are (check)."""
-    from ..formats.storage.tensor_io import to_float32
 
     m = modules.get(part)
     if m is not None:

@@ -337,11 +337,87 @@ def test_qwen25_vls_text_decoder_is_llama_cpps_qwen2vl(tmp_path):
     assert quantized["requantized"] == quantized["modules"] == 14 and quantized["validation"]["ok"]
 
 
+def _gptoss_experts(folder):
+    """{(layer, "gate" | "up" | "down"): float32 [E, out, in]} of a gpt-oss-layout folder's fused experts,
+    gate and up taken from gate_up's even and odd rows (what GptOssExperts reads as gate and up)."""
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    out = {}
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.experts."
+        gate_up = tensors[p + "gate_up_proj"].to(torch.float32).numpy()
+        out[layer, "gate"], out[layer, "up"] = gate_up[:, 0::2], gate_up[:, 1::2]
+        out[layer, "down"] = tensors[p + "down_proj"].to(torch.float32).numpy()
+    return out
+
+
+def test_gpt_oss_mxfp4_experts_keep_their_codes(tmp_path):
+    """gpt-oss' MXFP4 experts (fused gate_up with gate and up rows INTERLEAVED) into llama.cpp's stacked
+    qwen3moe experts: the de-interleave is a permutation of output rows, each row's 32-blocks run along
+    the input, so every e2m1 code and e8m0 exponent is kept. llama.cpp's decoder gives back, expert by
+    expert, exactly what `qconv dequantize` gives for its even (gate) / odd (up) rows and down_proj, and
+    exactly the fixture's oracle (transformers' own convert_moe_packed_tensors); the zero expert biases
+    (qwen3moe has none) are left out; GGUF -> GGUF gives every tensor back byte for byte."""
+    src = "qwen3moe-mxfp4-gptoss"
+    comp = convert(src, tmp_path / "m.gguf", "--validate")
+    assert comp["validation"]["ok"] and comp["validation"]["layers"] == 2 * 3 * 4 + 21
+    assert comp["codes_kept"] == comp["modules"] == 2 * 3 * 4 and comp["requantized"] == 0
+    assert comp["scales_rounded"] == 0 and comp["max_scale_rel_error"] == 0
+    stacked = {e["tensor"]: e for e in comp["gguf_tensors"] if e.get("experts")}
+    assert sorted(stacked) == sorted(f"blk.{i}.ffn_{p}_exps.weight" for i in range(2) for p in ("gate", "up", "down"))
+    assert all(e["type"] == "MXFP4" and e["codes"] == "kept" and e["experts"] == 4 for e in stacked.values())
+    assert not any("bias" in e["source"] for e in comp["gguf_tensors"])
+    _, back, types = read_back(tmp_path / "m.gguf", src)
+    assert {types[t] for t in stacked} == {"MXFP4"}
+    run_qconv("dequantize", CHECKPOINTS / src, tmp_path / "deq", check=0)
+    ours = _gptoss_experts(tmp_path / "deq")
+    oracle = _gptoss_experts(CHECKPOINTS / src / "oracle")
+    for (layer, proj), w in ours.items():
+        got = back[f"blk.{layer}.ffn_{proj}_exps.weight"]
+        assert got.shape == w.shape == (4, 256 if proj == "down" else 128, 128 if proj == "down" else 256)
+        for e in range(4):
+            np.testing.assert_array_equal(got[e], w[e], err_msg=f"layer {layer} {proj} expert {e}")
+            np.testing.assert_array_equal(got[e], oracle[layer, proj][e], err_msg=f"layer {layer} {proj} expert {e}")
+    # the gate / up halves are not each other's (a wrong row parity would be caught)
+    assert not np.array_equal(back["blk.0.ffn_gate_exps.weight"], back["blk.0.ffn_up_exps.weight"])
+    proc = run_qconv("convert", "--json", "--validate", tmp_path / "m.gguf", tmp_path / "b.gguf", "--to", "gguf",
+                     check=0)
+    (again,) = json.loads(proc.stdout)["components"]
+    assert again["requantized"] == 0 and again["validation"]["ok"]
+    a, b = gguf.GGUFReader(tmp_path / "m.gguf"), gguf.GGUFReader(tmp_path / "b.gguf")
+    assert [(t.name, t.tensor_type) for t in a.tensors] == [(t.name, t.tensor_type) for t in b.tensors]
+    for x, y in zip(a.tensors, b.tensors):
+        assert np.asarray(x.data).tobytes() == np.asarray(y.data).tobytes(), x.name
+
+
+def test_gpt_oss_nonzero_expert_biases_are_refused(tmp_path):
+    """llama.cpp's qwen3moe has no expert biases: a gpt-oss-layout source whose biases are not all zero
+    is refused naming the bias, never written without it (the fixture with one bias made nonzero)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(CHECKPOINTS / "qwen3moe-mxfp4-gptoss", src, ignore=shutil.ignore_patterns("oracle"))
+    for p in [src, *src.iterdir()]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.1.mlp.experts.down_proj_bias"][2, 7] = torch.tensor(0.5, dtype=torch.bfloat16)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    proc = run_qconv("convert", src, tmp_path / "m.gguf", "--to", "gguf", check=5)
+    one_error(proc, 5, "nonzero expert biases", "model.layers.1.mlp.experts.down_proj_bias")
+    assert not (tmp_path / "m.gguf").exists()
+
+
 @pytest.mark.parametrize("src, needles", [
-    ("qwen3moe-mxfp4-gptoss", ("gate and up rows are interleaved",)),
     ("qwen3vl-bf16", ("has no tokenizer.json", "nothing written")),      # llama.cpp's GGUF needs one
 ])
-def test_unmapped_models_are_refused(tmp_path, src, needles):
+def test_what_a_gguf_cannot_be_written_from_is_refused(tmp_path, src, needles):
     proc = convert(src, tmp_path / "m.gguf", check=5)
     one_error(proc, 5, *needles)
     assert list(tmp_path.iterdir()) == []

@@ -10,7 +10,10 @@ type (Q8_0's vec_dot pairs), which the float run does not, so this is not an all
 tiny fixtures (2 layers, vocab 512, 12 positions, log-probabilities over the float run's top 5 tokens;
 llama.cpp is deterministic here, the same numbers on every rerun): code-kept files differ from their float
 model by 0.012 to 0.046 (Q4_1's float16 minimum the largest; llama, qwen2, qwen3), requantized ones
-(qwen3-moe included) from theirs by 0.012 to 0.019, float GGUFs by 0.0015 to 0.0044; a layout error (llama's q / k rows left in Hugging Face order in ONE
+(qwen3-moe included) from theirs by 0.012 to 0.019, float GGUFs by 0.0015 to 0.0044, gpt-oss-layout MXFP4
+experts kept (qwen3moe-mxfp4-gptoss, against its oracle logits: ORACLE_REFERENCE) by 0.009 (the same file
+with gate and up swapped: 0.32), the VL text decoders against transformers' Qwen3-VL / Qwen2.5-VL on text
+by 0.010 / 0.009, llama-3's rope scaling by 0.017 (0.042 with its factors set to 1); a layout error (llama's q / k rows left in Hugging Face order in ONE
 tensor kind, the negative control) by 0.70, with 6 of 12 top-1 tokens changed. TOLERANCE = 0.1 lies
 2x above the worst legitimate difference and 7x below the control.
 """
@@ -58,11 +61,18 @@ CASES = [
     ("qwen3vl-bnb8-q8_0", "qwen3vl-bnb8-skipvisual", (), True),
     ("qwen25vl-bf16-float", "qwen25vl-bf16", ("--gguf-float",), True),
     ("llama3-rope-q8_0", "llama-gptq-w8g128" + LLAMA3, (), True),
+    ("qwen3moe-mxfp4-gptoss-kept", "qwen3moe-mxfp4-gptoss", (), True),
 ]
 K_QUANTS = ("Q4_K_M", "Q6_K")
 ARCH = {"qwen2-w4-q4_0": "qwen2", "qwen3-w8-q8_0": "qwen3", "qwen3moe-fp8-requant": "qwen3moe",
         "qwen3moe-bf16-float": "qwen3moe", "qwen3vl-bnb8-q8_0": "qwen3vl",
-        "qwen25vl-bf16-float": "qwen2vl"}
+        "qwen25vl-bf16-float": "qwen2vl", "qwen3moe-mxfp4-gptoss-kept": "qwen3moe"}
+# Sources whose `qconv dequantize` folder transformers loads as ANOTHER model: qwen3moe-mxfp4-gptoss keeps
+# gpt-oss' interleaved gate / up rows under a qwen3_moe config (tests/test_dequantize.py), which
+# Qwen3MoeExperts reads as gate rows then up rows (measured: logits 1.08 away from the right model). Their
+# float reference is the fixture's oracle/logits.safetensors instead: transformers' Qwen3MoeForCausalLM in
+# float32 with the oracle's experts de-interleaved (fixtures/make_mxfp4_gptoss.py), on the same IDS.
+ORACLE_REFERENCE = {"qwen3moe-mxfp4-gptoss"}
 
 
 def log_softmax(x):
@@ -80,6 +90,15 @@ def float_logits(folder):
     model = (AutoModelForImageTextToText if vl else AutoModelForCausalLM).from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
         return model(torch.tensor([IDS])).logits[0].numpy()
+
+
+def oracle_logits(src):
+    """The fixture's own transformers logits (oracle/logits.safetensors) for IDS."""
+    from safetensors.numpy import load_file
+
+    oracle = load_file(CHECKPOINTS / src / "oracle" / "logits.safetensors")
+    assert oracle["input_ids"].tolist() == [IDS]
+    return oracle["logits"][0].astype(np.float32)
 
 
 def compare(got, ref) -> dict:
@@ -145,6 +164,8 @@ def report(tmp_path_factory):
         if not kept:                # requantized: the float model of what the file holds (qconv reads GGUF back)
             run_qconv("dequantize", files[case], tmp / f"{case}-float", check=0)
             refs[case] = float_logits(tmp / f"{case}-float")
+        elif src in ORACLE_REFERENCE:
+            refs[src] = oracle_logits(src)
         elif src not in refs:       # codes kept: the float model of the source itself
             run_qconv("dequantize", source(src, tmp), tmp / f"{src}-float", check=0)
             refs[src] = float_logits(tmp / f"{src}-float")

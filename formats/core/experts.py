@@ -10,7 +10,9 @@ through the parent (reader.read_module), so its codes and scales are the parent'
 
 Not split (refused by the writers that need it, with the reason): other model types, whose fused layout
 differs (gpt-oss interleaves gate and up rows and has no per-expert layout any loader reads; Qwen3-VL-MoE
-stores [E, H, 2I], transposed; Mixtral's per-expert names also rename the block).
+stores [E, H, 2I], transposed; Mixtral's per-expert names also rename the block). The one exception is
+GGUF (convert/to_gguf.py), whose stacked gate / up experts llama.cpp's own converter makes from gpt-oss'
+interleaved rows: split_interleaved.
 """
 
 from __future__ import annotations
@@ -67,6 +69,23 @@ def split_module(m: QuantModule) -> list[QuantModule]:
     details and tensors (for messages); details["rows_of"] = (parent, first row) routes its reads."""
     return [replace(m, name=name, out_features=rows, experts=0, details={**m.details, "rows_of": (m, r0)})
             for name, r0, rows in split_names(m.name, m.experts, m.out_features // m.experts)]
+
+
+def split_interleaved(m: QuantModule) -> list[QuantModule]:
+    """The per-expert views of gpt-oss' fused gate_up_proj, whose rows are INTERLEAVED (row 2r of expert N
+    is gate_proj's row r, row 2r + 1 up_proj's): `experts.N.gate_proj` reads every other stacked row from
+    N*2I, `.up_proj` every other from N*2I + 1 (details["row_step"] = 2, reader.read_module). A row's
+    blocks run along the input, so each view's codes and scales are the parent's, row for row. Only
+    writers whose target has a per-expert (or stacked gate / up) layout its loader reads use it: llama.cpp's
+    converter splits gpt-oss' gate_up the same way (conversion/gpt_oss.py, ``[:, ::2]`` and ``[:, 1::2]``).
+    Raises ValueError where the rows do not pair up."""
+    rows = m.out_features // m.experts
+    if rows % 2:
+        raise ValueError(f"{rows} interleaved gate_up_proj rows per expert: not gate / up pairs")
+    prefix = m.name.rsplit(".", 1)[0]
+    return [replace(m, name=f"{prefix}.{e}.{sub}", out_features=rows // 2, experts=0,
+                    details={**m.details, "rows_of": (m, e * rows + offset), "row_step": 2})
+            for e in range(m.experts) for sub, offset in (("gate_proj", 0), ("up_proj", 1))]
 
 
 def is_fused_name(name: str) -> bool:

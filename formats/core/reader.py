@@ -136,5 +136,23 @@ def read_module(comp: Component, det: Detection, m: QuantModule, dtype: str,
     if view is not None:
         parent, first = view
         r0, r1 = rows or (0, m.out_features)
-        return family(parent.family).read(parent, comp.tensors, det.qc, dtype, (first + r0, first + r1))
+        step = m.details.get("row_step", 1)
+        if step == 1:
+            return family(parent.family).read(parent, comp.tensors, det.qc, dtype, (first + r0, first + r1))
+        # every step-th stacked row (experts.split_interleaved): the window that spans them, then its rows
+        window = family(parent.family).read(parent, comp.tensors, det.qc, dtype,
+                                            (first + r0 * step, first + (r1 - 1) * step + 1))
+        return _strided_rows(window, step)
     return family(m.family).read(m, comp.tensors, det.qc, dtype, rows)
+
+
+def _strided_rows(qt: QuantTensor, step: int) -> QuantTensor:
+    """Rows 0, step, 2 step, ... of a QuantTensor whose codes and per-row state are [rows, ...] (not a
+    flat code book's blocks over the whole weight)."""
+    from dataclasses import replace
+
+    if qt.spec.flat:
+        raise AssertionError("interleaved rows of a flat code book")
+    pick = (lambda a: None if a is None else a[::step])
+    return replace(qt, shape=((qt.shape[0] + step - 1) // step, qt.shape[1]), codes=pick(qt.codes),
+                   scales=pick(qt.scales), zeros=pick(qt.zeros), group_scales=pick(qt.group_scales))
