@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import CorruptCheckpoint, UnsupportedFormat, UsageError
+from ..errors import CorruptCheckpoint, OutputError, UnsupportedFormat, UsageError
 from ..formats.core.layout import QuantModule, natural_key
 from ..formats.core.reader import model_dtype, read_module, require_decodable
 from ..formats.gguf import arch as garch
@@ -378,6 +378,7 @@ def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = Fa
         raise UnsupportedFormat("--to gguf converts one model folder or GGUF file (a pipeline's language "
                                 "model: give its folder)", file=src)
     comp = target.components[0]
+    _check_not_a_source_file(comp, dst)
     t0 = time.monotonic()
     with staged_output(src, dst, overwrite=overwrite, files=True) as tmp:
         report = write(comp, tmp / dst.name, opts, max_shard_size)
@@ -385,6 +386,20 @@ def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = Fa
             report["validation"] = check(comp, [tmp / f for f in report["shards"]], report, dst)
     return {"source": str(src), "destination": str(dst), "seconds": round(time.monotonic() - t0, 3),
             "components": [report]}
+
+
+def _check_not_a_source_file(comp: Component, dst: Path) -> None:
+    """DST and the split files it may become (NAME-0000i-of-0000N.gguf) are none of a GGUF source's files,
+    the later files of a split source included (staging checks only SRC itself)."""
+    if not comp.path.is_file():
+        return
+    here = dst.absolute().parent.resolve()
+    mine = re.compile(re.escape(dst.stem) + r"-\d{5}-of-\d{5}\.gguf")
+    for f in comp.files:
+        f = f.resolve()
+        if f.parent == here and (f.name == dst.name or mine.fullmatch(f.name)):
+            raise OutputError(f"would replace {f.name}, a file of the source; write the output somewhere else",
+                              file=dst)
 
 
 def check(comp: Component, files: list[Path], report: dict, shown: Path) -> dict:
