@@ -15,12 +15,13 @@ from .formats.storage.checkpoint import Component, open_target
 from .formats.core.detect import DECODED_METHODS, METHOD_NAMES, detect
 from .formats.core.layout import examples as _examples, module_of, natural_key
 from .formats.core.registry import dialects_for, families
-from .formats.gguf.header import looks_like_gguf, read_header as read_gguf_header, summary as gguf_summary
+from .formats.gguf.header import looks_like_gguf, summary as gguf_summary
+from .formats.gguf.split import read_gguf
 
 
 def inspect_path(path: str | Path) -> dict:
     if looks_like_gguf(path):
-        return {"path": str(path), "kind": "gguf", "gguf": gguf_summary(read_gguf_header(path))}
+        return {"path": str(path), "kind": "gguf", "gguf": gguf_summary(read_gguf(path))}
     target = open_target(path)
     return {"path": str(path), "kind": target.kind,
             "components": [inspect_component(c) for c in target.components]}
@@ -116,7 +117,7 @@ def inspect_component(comp: Component) -> dict:
         "logical_parameters": logical,
         "bits_per_weight": round(8 * tensor_bytes / logical, 3) if logical else None,
         "tensors": len(tensors),
-        "files": [str(f.relative_to(comp.path)) if f != comp.path else f.name for f in comp.files],
+        "files": [f.name if comp.path.is_file() else str(f.relative_to(comp.path)) for f in comp.files],
         "bytes_on_disk": comp.bytes_on_disk,
         "config": qc_source,
         "warnings": warnings,
@@ -261,7 +262,11 @@ def render_gguf(result: dict) -> str:
     if "split" in g:
         s = g["split"]
         no = s["no"] + 1 if isinstance(s["no"], int) else s["no"]          # split.no counts from 0
-        lines.append(f"  split {no} of {s['count']}" + (f" ({s['tensors']} tensors in all)" if s["tensors"] else ""))
+        if s.get("files"):                                                 # the whole set, from its first file
+            lines.append(f"  {s['count']} split files, read as one: {s['files'][0]} to {s['files'][-1]}")
+        else:
+            lines.append(f"  split {no} of {s['count']}"
+                         + (f" ({s['tensors']} tensors in all)" if s["tensors"] else ""))
     if g["types"]:
         rows = [(t, r["tensors"], f"{r['parameters']:,}", f"{r['bytes']:,}", r["bits_per_weight"])
                 for t, r in g["types"].items()]

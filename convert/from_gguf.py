@@ -6,7 +6,8 @@ back in Hugging Face order, and the tokenizer files rebuilt where the metadata c
 
 The header is read and checked first with qconv's bounded reader (formats/gguf/header.py: offsets,
 sizes, types, overlaps), and each tensor's bytes are then read on their own, so a hostile file is refused
-before anything is decoded, and memory is bounded by the largest tensor.
+before anything is decoded, and memory is bounded by the largest tensor. A split GGUF is given by its
+first file (formats/gguf/split.py checks the whole set first); each tensor is read from its own file.
 """
 
 from __future__ import annotations
@@ -25,28 +26,28 @@ from ..formats.storage.tensor_io import FLOAT_CODES, encode_float
 from .engine import DEFAULT_MAX_SHARD, OutTensor, write_component
 from .staging import staged_output
 
-def _decoded(path: Path, t, hf_name: str, config: dict, code: str, permute: bool) -> list[OutTensor]:
+def _decoded(t, hf_name: str, config: dict, code: str, permute: bool) -> list[OutTensor]:
     """The tensor's Hugging Face tensors: itself, or for llama.cpp's stacked experts [E, out, in] one
     ``experts.N.proj`` tensor per expert, each decoded from its own rows."""
     shape = tuple(reversed(t.shape))                  # numpy order: [out, in] (experts: [E, out, in])
     if len(shape) == 3 and ".experts." in hf_name:
-        return [_rows(path, t, hf_name.replace(".experts.", f".experts.{e}."), config, code, permute, shape[1:],
+        return [_rows(t, hf_name.replace(".experts.", f".experts.{e}."), config, code, permute, shape[1:],
                       e * t.nbytes // shape[0], t.nbytes // shape[0]) for e in range(shape[0])]
-    return [_rows(path, t, hf_name, config, code, permute, shape, 0, t.nbytes)]
+    return [_rows(t, hf_name, config, code, permute, shape, 0, t.nbytes)]
 
 
-def _rows(path: Path, t, hf_name: str, config: dict, code: str, permute: bool, shape: tuple, start: int,
+def _rows(t, hf_name: str, config: dict, code: str, permute: bool, shape: tuple, start: int,
           nbytes: int) -> OutTensor:
     import gguf
 
     heads = garch.heads_of(config, hf_name) if permute else None
 
     def chunks():
-        with open_regular(path) as f:
+        with open_regular(t.file) as f:
             f.seek(t.offset + start)
             raw = f.read(nbytes)
         if len(raw) != nbytes:
-            raise CorruptCheckpoint("file ended while reading the tensor: truncated", file=path, tensor=t.name)
+            raise CorruptCheckpoint("file ended while reading the tensor: truncated", file=t.file, tensor=t.name)
         data = np.frombuffer(raw, np.uint8)
         qtype = gguf.GGMLQuantizationType(t.type)
         if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16):
@@ -56,7 +57,7 @@ def _rows(path: Path, t, hf_name: str, config: dict, code: str, permute: bool, s
             w = gguf.quants.dequantize(data.reshape(-1, nbytes // max(1, int(np.prod(shape[:-1])))), qtype)
         w = np.asarray(w, np.float32).reshape(shape)
         if not np.all(np.isfinite(w)):
-            raise CorruptCheckpoint("decodes to non-finite weights (NaN or infinity)", file=path, tensor=t.name)
+            raise CorruptCheckpoint("decodes to non-finite weights (NaN or infinity)", file=t.file, tensor=t.name)
         if heads:
             w = codec.unpermute_rows(w, heads)
         yield encode_float(np.ascontiguousarray(w), code)
@@ -84,7 +85,7 @@ def dequantize_gguf(src: Path, dst: Path, *, dtype: str | None = None, overwrite
     target = dtype or config["dtype"]
     code = FLOAT_CODES[target]
     tensors = [o for t in g.header.tensors if t.name in g.names       # rope_freqs: in the config
-               for o in _decoded(src, t, g.names[t.name], config, code, g.arch.permute_qk)]
+               for o in _decoded(t, g.names[t.name], config, code, g.arch.permute_qk)]
     config["dtype"] = target
     files = garch.tokenizer_files(g.meta, src)
     with staged_output(src, dst, overwrite=overwrite) as tmp:

@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import CorruptCheckpoint, UnsupportedFormat, UsageError
+from ..errors import CorruptCheckpoint, OutputError, UnsupportedFormat, UsageError
 from ..formats.core.experts import split_interleaved
 from ..formats.core.layout import QuantModule, natural_key
 from ..formats.core.reader import model_dtype, read_module, require_decodable
@@ -273,11 +273,11 @@ def arch_of(comp: Component):
 
 def _source_rope_factors(comp: Component):
     """A GGUF source's own rope_freqs, as they are (its config holds the llama-3 rope they were read as)."""
-    from ..formats.gguf.header import read_header
     from ..formats.gguf.source import ROPE_FREQS as NAME, rope_factors
+    from ..formats.gguf.split import read_gguf
 
-    t = next((t for t in read_header(comp.path).tensors if t.name == NAME), None)
-    return None if t is None else rope_factors(comp.path, t)
+    t = next((t for t in read_gguf(comp.path).tensors if t.name == NAME), None)
+    return None if t is None else rope_factors(t)
 
 
 def _metadata(comp: Component, arch) -> list:
@@ -448,6 +448,7 @@ def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = Fa
         raise UnsupportedFormat("--to gguf converts one model folder or GGUF file (a pipeline's language "
                                 "model: give its folder)", file=src)
     comp = target.components[0]
+    _check_not_a_source_file(comp, dst)
     t0 = time.monotonic()
     with staged_output(src, dst, overwrite=overwrite, files=True) as tmp:
         report = write(comp, tmp / dst.name, opts, max_shard_size)
@@ -455,6 +456,20 @@ def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = Fa
             report["validation"] = check(comp, [tmp / f for f in report["shards"]], report, dst)
     return {"source": str(src), "destination": str(dst), "seconds": round(time.monotonic() - t0, 3),
             "components": [report]}
+
+
+def _check_not_a_source_file(comp: Component, dst: Path) -> None:
+    """DST and the split files it may become (NAME-0000i-of-0000N.gguf) are none of a GGUF source's files,
+    the later files of a split source included (staging checks only SRC itself)."""
+    if not comp.path.is_file():
+        return
+    here = dst.absolute().parent.resolve()
+    mine = re.compile(re.escape(dst.stem) + r"-\d{5}-of-\d{5}\.gguf")
+    for f in comp.files:
+        f = f.resolve()
+        if f.parent == here and (f.name == dst.name or mine.fullmatch(f.name)):
+            raise OutputError(f"would replace {f.name}, a file of the source; write the output somewhere else",
+                              file=dst)
 
 
 def check(comp: Component, files: list[Path], report: dict, shown: Path) -> dict:

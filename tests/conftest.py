@@ -191,3 +191,14 @@ def requantize_gguf(src: Path, dst: Path, which, qtype_name: str = "Q5_1") -> di
     writer.write_tensors_to_file()
     writer.close()
     return written
+
+
+def split_gguf(src: str, folder: Path, size: str = "700KB") -> tuple[Path, Path]:
+    """The fixture src as one GGUF (folder/one.gguf) and as llama.cpp's split files past --max-shard-size
+    (folder/m-0000i-of-0000N.gguf), both written by `qconv convert --to gguf`: (the one file, the first split)."""
+    run_qconv("convert", CHECKPOINTS / src, folder / "one.gguf", "--to", "gguf", check=0)
+    proc = run_qconv("convert", "--json", CHECKPOINTS / src, folder / "m.gguf", "--to", "gguf", "--max-shard-size",
+                     size, check=0)
+    (comp,) = json.loads(proc.stdout)["components"]
+    assert len(comp["shards"]) > 1 and not (folder / "m.gguf").exists(), comp["shards"]
+    return folder / "one.gguf", folder / comp["shards"][0]

@@ -16,12 +16,15 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFValueType
 
-from conftest import REPO, one_error, run_qconv
+import shutil
+
+from conftest import CHECKPOINTS, REPO, one_error, run_qconv, split_gguf
 from qconv import inspect as api_inspect
 from qconv.cli import main
-from qconv.errors import CorruptCheckpoint, UnsupportedFormat
+from qconv.errors import CorruptCheckpoint, UnsupportedFormat, UsageError
 from qconv.formats.gguf.header import (FILE_TYPES, GGML_TYPES, KEEP_ELEMENTS, Elided, bits_per_weight,
                                        looks_like_gguf, read_header, summary)
+from qconv.formats.gguf.split import read_gguf
 
 ALIGN = 64          # the small file's general.alignment: not the default, so the default is no accident
 
@@ -442,3 +445,189 @@ def test_each_mutation_is_refused_by_dequantize_and_convert_before_any_output(sm
             main(argv)
         err = capsys.readouterr().err
         assert exit_.value.code == 5 and "has no llama.feed_forward_length" in err and err.count("\n") == 1, (argv, err)
+
+
+# --- split sets: llama.cpp's NAME-0000i-of-0000N.gguf, read from the first file --------------------------
+
+@pytest.fixture(scope="module")
+def split_set(tmp_path_factory):
+    """A real fixture as one GGUF and as three split files, both written by qconv's --to gguf."""
+    return split_gguf("llama-gptq-w8g128", tmp_path_factory.mktemp("split"))
+
+
+def test_a_split_set_reads_as_its_unsplit_file(split_set):
+    """The first file gives the whole set: the unsplit file's tensors (names, shapes, types, bytes) in
+    order and its metadata, each tensor at the offset gguf-py's reader finds it at in its own file; the
+    summary's totals are the unsplit file's, with the split count and the files."""
+    one, first = split_set
+    files = sorted(first.parent.glob("m-*-of-00003.gguf"))
+    assert [f.name for f in files] == [f"m-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    whole, h = read_header(one), read_gguf(first)
+    strip = lambda t: (t.name, t.shape, t.type_name, t.nbytes)  # noqa: E731
+    assert [strip(t) for t in h.tensors] == [strip(t) for t in whole.tensors]
+    assert h.files == tuple(files) and h.file_size == sum(f.stat().st_size for f in files)
+    theirs = {t.name: (f, t.data_offset) for f in files for t in GGUFReader(f).tensors}
+    assert {t.name: (t.file, t.offset) for t in h.tensors} == theirs
+    assert len({t.file for t in h.tensors}) == 3
+    split_keys = {"split.no": 0, "split.count": 3, "split.tensors.count": len(whole.tensors)}
+    assert dict(h.metadata) == {**whole.metadata, **split_keys}
+    ours, unsplit = summary(h), summary(whole)
+    for key in ("tensors", "parameters", "tensor_bytes", "bits_per_weight", "quantized_parameters", "types",
+                "tokenizer", "hparams", "architecture", "file_type"):
+        assert ours[key] == unsplit[key], key
+    assert ours["split"] == {"no": 0, "count": 3, "tensors": 21, "files": [f.name for f in files]}
+    doc = json.loads(run_qconv("inspect", "--json", first, check=0).stdout)
+    assert doc["gguf"] == json.loads(json.dumps(ours))
+    text = run_qconv("inspect", first, check=0).stdout
+    assert "3 split files, read as one: m-00001-of-00003.gguf to m-00003-of-00003.gguf" in text
+    assert "21 tensors" in text
+
+
+def test_inspect_of_a_split_set_reads_headers_only(tmp_path):
+    """Header-only as for one file: three split files gguf-py's writer made, each a 512 MiB F16 tensor
+    held as a hole, are inspected as one model without reading their data or loading numpy, torch or
+    gguf-py."""
+    w = gguf.GGUFWriter(tmp_path / "big.gguf", "llama", split_max_size=1)
+    w.add_name("sparse")
+    for i in range(3):
+        w.add_tensor_info(f"w{i}.weight", (16384, 16384), np.dtype(np.float16), 16384 * 16384 * 2, raw_dtype=T.F16)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    files = [tmp_path / f"big-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    for f in files:
+        os.truncate(f, -(-f.stat().st_size // 32) * 32 + 16384 * 16384 * 2)
+    proc = subprocess.run([sys.executable, "-c", PROBE, "inspect", "--json", str(files[0])], capture_output=True,
+                          text=True, cwd=REPO.parent, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)["gguf"]
+    assert doc["types"]["F16"]["parameters"] == 3 * 16384 * 16384 and doc["tensors"] == 3
+    assert doc["split"] == {"no": 0, "count": 3, "tensors": 3, "files": [f.name for f in files]}
+    assert doc["file_size"] == sum(f.stat().st_size for f in files) > 3 * 2**29
+    probe = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert probe["heavy"] == []
+    assert probe["rchar"] < 32 * 2**20, probe
+
+
+def _field_value_at(path, key):
+    """Byte position of a scalar metadata value in a GGUF file, from gguf-py's reader."""
+    field = GGUFReader(path).fields[key]
+    return field.offset + sum(int(p.nbytes) for p in field.parts[:3])
+
+
+def _patch(path, pos, new):
+    data = bytearray(path.read_bytes())
+    data[pos:pos + len(new)] = new
+    path.write_bytes(bytes(data))
+
+
+def _split_cases(first):
+    """(id, edit(folder) -> path to pass, error class, the file the error names, needles): each a bad split
+    set made from the real one by renaming, removing or editing its files."""
+    n = lambda i: f"m-0000{i}-of-00003.gguf"  # noqa: E731
+
+    def later(d):
+        return d / n(2)
+
+    def missing(d):
+        (d / n(3)).unlink()
+        return d / n(1)
+
+    def count_mismatch(d):
+        _patch(d / n(2), _field_value_at(d / n(2), "split.count"), (4).to_bytes(2, "little"))
+        return d / n(1)
+
+    def first_count(d):
+        _patch(d / n(1), _field_value_at(d / n(1), "split.count"), (4).to_bytes(2, "little"))
+        return d / n(1)
+
+    def out_of_order(d):
+        (d / n(2)).rename(d / "x")
+        (d / n(3)).rename(d / n(2))
+        (d / "x").rename(d / n(3))
+        return d / n(1)
+
+    def duplicated(d):
+        # a tensor of the last file renamed to one an earlier file holds (same length: only its bytes change)
+        earlier = {t.name for i in (1, 2) for t in GGUFReader(d / n(i)).tensors}
+        last = [t for t in GGUFReader(d / n(3)).tensors if t.name.startswith("blk.1.")]
+        t = next(t for t in last if t.name.replace("blk.1.", "blk.0.") in earlier)
+        data = (d / n(3)).read_bytes()
+        pos = data.index(t.name.encode())
+        assert pos < t.data_offset
+        _patch(d / n(3), pos, b"blk.0.")
+        return d / n(1)
+
+    def not_gguf(d):
+        shutil.copyfile(CHECKPOINTS / "llama-gptq-w8g128" / "model.safetensors", d / n(2))
+        return d / n(1)
+
+    def tensors_count(d):
+        for i in (1, 2, 3):
+            _patch(d / n(i), _field_value_at(d / n(i), "split.tensors.count"), (22).to_bytes(4, "little"))
+        return d / n(1)
+
+    def renamed(d):
+        (d / n(1)).rename(d / "model.gguf")
+        return d / "model.gguf"
+
+    return [
+        ("later-split-given", later, UsageError, n(2), ["split 2 of 3", f"pass its first file ({n(1)})"]),
+        ("split-missing", missing, CorruptCheckpoint, n(3), ["split 3 of 3 is missing"]),
+        ("split-count-mismatch", count_mismatch, CorruptCheckpoint, n(2), ["split.count is 4", f"{n(1)}'s is 3"]),
+        ("first-split-count", first_count, CorruptCheckpoint, n(1), ["first of 4 split files", "-00001-of-00004.gguf"]),
+        ("split-no-out-of-order", out_of_order, CorruptCheckpoint, n(2), ["split.no is 2", "out of order"]),
+        ("tensor-in-two-splits", duplicated, CorruptCheckpoint, n(3), ["tensor 'blk.0.", "in an earlier file"]),
+        ("split-not-gguf", not_gguf, CorruptCheckpoint, n(2), ["not a GGUF file"]),
+        ("split-tensors-count", tensors_count, CorruptCheckpoint, n(1), ["hold 22 tensors, but they hold 21"]),
+        ("first-renamed", renamed, CorruptCheckpoint, "model.gguf", ["does not end in '-00001-of-00003.gguf'"]),
+    ]
+
+
+def _bad_set(first, tmp_path, case, edit):
+    folder = tmp_path / case
+    folder.mkdir()
+    for f in first.parent.glob("m-*.gguf"):
+        shutil.copyfile(f, folder / f.name)
+    return folder, edit(folder)
+
+
+def test_bad_split_sets_are_refused_naming_the_file_in_bounded_time_and_memory(split_set, tmp_path):
+    _, first = split_set
+    cases = _split_cases(first)
+    for case, edit, cls, named, needles in cases:
+        folder, path = _bad_set(first, tmp_path, case, edit)
+        t0 = time.perf_counter()
+        tracemalloc.start()
+        with pytest.raises(cls) as err:
+            read_gguf(path)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert time.perf_counter() - t0 < 2 and peak < 4 * 2**20, (case, peak)
+        message = str(err.value)
+        assert type(err.value) is cls and message.startswith(f"{folder / named}: ") and "\n" not in message, \
+            (case, message)
+        for needle in needles:
+            assert needle in message, (case, needle, message)
+    assert read_gguf(first).files                      # the set itself is whole
+
+
+def test_bad_split_sets_are_refused_by_every_verb_before_any_output(split_set, tmp_path, capsys):
+    """inspect, dequantize, convert (to a folder and to GGUF) and validate: one line naming the file, the
+    same exit code (2 for a later file given first, 4 for a bad set), and no DST nor staging folder."""
+    _, first = split_set
+    for case, edit, cls, named, needles in _split_cases(first):
+        folder, path = _bad_set(first, tmp_path, case, edit)
+        for argv in (["inspect", str(path)], ["dequantize", str(path), str(tmp_path / "out")],
+                     ["convert", str(path), str(tmp_path / "out"), "--to", "gptq"],
+                     ["convert", str(path), str(tmp_path / "out.gguf"), "--to", "gguf"],
+                     ["validate", str(CHECKPOINTS / "llama-gptq-w8g128"), str(path)]):
+            with pytest.raises(SystemExit) as exit_:
+                main(argv)
+            out = capsys.readouterr()
+            assert exit_.value.code == cls.exit_code, (case, argv[0], out.err)
+            assert out.err.count("\n") == 1 and out.err.startswith(f"qconv: error: {folder / named}: "), \
+                (case, argv[0], out.err)
+            assert needles[0] in out.err and "Traceback" not in out.err, (case, out.err)
+            assert not [p for p in tmp_path.iterdir() if p.name.startswith(("out", ".out"))], (case, argv[0])

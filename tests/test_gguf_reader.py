@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CHECKPOINTS, one_error, requantize_gguf, run_qconv
+from conftest import CHECKPOINTS, one_error, requantize_gguf, run_qconv, split_gguf
 
 
 def tensors(folder):
@@ -138,3 +138,18 @@ def test_bad_gguf_sources_are_refused_before_anything_is_written(tmp_path):
     (tmp_path / "other.gguf").write_bytes(bytes(patched))
     one_error(run_qconv("dequantize", tmp_path / "other.gguf", tmp_path / "out2"), 5, "'llamb'")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf", "m.gguf", "other.gguf"]
+
+
+def test_a_split_gguf_dequantizes_as_its_unsplit_file(tmp_path):
+    """llama.cpp's split files, given by the first (as llama.cpp takes them): the folder holds the same
+    tensors, config and tokenizer as the unsplit file's, byte for byte."""
+    one, first = split_gguf("llama-gptq-w8g128", tmp_path, "1B")     # one tensor a file: 21 files
+    assert first.name == "m-00001-of-00021.gguf"
+    run_qconv("dequantize", first, tmp_path / "split", check=0)
+    run_qconv("dequantize", one, tmp_path / "one", check=0)
+    a, b = tensors(tmp_path / "split"), tensors(tmp_path / "one")
+    assert set(a) == set(b) and len(a) == 21
+    for name, t in b.items():
+        assert a[name].dtype == t.dtype and torch.equal(a[name], t), name
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "split" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name

@@ -9,7 +9,10 @@ import gguf
 import numpy as np
 import pytest
 
-from conftest import CHECKPOINTS, one_error, requantize_gguf, run_qconv
+import torch
+from safetensors.torch import load_file
+
+from conftest import CHECKPOINTS, one_error, requantize_gguf, run_qconv, split_gguf
 
 
 def gguf_of(src, path, *args):
@@ -78,6 +81,62 @@ def test_what_a_gguf_source_cannot_give_is_refused_by_name(tmp_path):
     assert not (tmp_path / "out").exists()
     run_qconv("dequantize", tmp_path / "q51.gguf", tmp_path / "float", check=0)
     run_qconv("convert", tmp_path / "float", tmp_path / "out", "--to", "gptq", "--bits", "8", check=0)
+
+
+def test_a_split_gguf_converts_and_validates_as_its_unsplit_file(tmp_path):
+    """llama.cpp's split files, given by the first: convert to gptq gives the tensors and config the unsplit
+    file gives; GGUF -> GGUF writes the unsplit file's GGUF -> GGUF byte for byte (and split again, the
+    same tensors); `qconv validate` pairs the split set with the producer's folder and with the unsplit file."""
+    one, first = split_gguf("llama-gptq-w8g128", tmp_path)
+    assert first.name == "m-00001-of-00003.gguf"
+    for g, out in ((first, "gptq-split"), (one, "gptq-one")):
+        run_qconv("convert", g, tmp_path / out, "--to", "gptq", check=0)
+    a = load_file(tmp_path / "gptq-split" / "model.safetensors")
+    b = load_file(tmp_path / "gptq-one" / "model.safetensors")
+    assert set(a) == set(b)
+    for name, t in b.items():
+        assert a[name].dtype == t.dtype and torch.equal(a[name], t), name
+    assert (tmp_path / "gptq-split" / "config.json").read_text() == (tmp_path / "gptq-one" / "config.json").read_text()
+    run_qconv("convert", "--validate", first, tmp_path / "back-split.gguf", "--to", "gguf", check=0)
+    run_qconv("convert", one, tmp_path / "back-one.gguf", "--to", "gguf", check=0)
+    assert (tmp_path / "back-split.gguf").read_bytes() == (tmp_path / "back-one.gguf").read_bytes()
+    proc = run_qconv("convert", "--json", first, tmp_path / "again.gguf", "--to", "gguf", "--max-shard-size", "1B",
+                     check=0)
+    (comp,) = json.loads(proc.stdout)["components"]
+    again = {k: v for f in comp["shards"] for k, v in tensors_of(tmp_path / f).items()}
+    assert len(comp["shards"]) == 21 and again == tensors_of(one)
+    report = json.loads(run_qconv("validate", "--json", CHECKPOINTS / "llama-gptq-w8g128", first, check=0).stdout)
+    assert report["ok"] and len(report["layers"]) == 16
+    report = json.loads(run_qconv("validate", "--json", first, one, check=0).stdout)
+    assert report["ok"] and len(report["layers"]) >= 16
+
+
+def test_a_split_gguf_is_never_overwritten_by_its_own_conversion(tmp_path):
+    """DST whose split files would be the source's own (m.gguf -> m-0000i-of-0000N.gguf) is refused, even
+    with --overwrite, and the source is left as it was."""
+    _, first = split_gguf("llama-gptq-w8g128", tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("m-*.gguf")}
+    one_error(run_qconv("convert", first, tmp_path / "m.gguf", "--to", "gguf", "--max-shard-size", "700KB",
+                        "--overwrite"), 6, "m.gguf", "a file of the source")
+    one_error(run_qconv("convert", first, tmp_path / "m-00002-of-00003.gguf", "--to", "gguf", "--overwrite"), 6,
+              "a file of the source")
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("m-*.gguf")} == before
+
+
+def test_a_folder_converted_from_a_gguf_carries_its_tokenizer(tmp_path):
+    """convert GGUF -> folder writes tokenizer.json / tokenizer_config.json rebuilt from the metadata, as
+    dequantize does: the folder's tokenizer gives the original fixture's ids, special tokens included."""
+    from transformers import AutoTokenizer
+
+    g = gguf_of("llama-ct-w4a16", tmp_path / "m.gguf")
+    proc = run_qconv("convert", "--json", g, tmp_path / "out", "--to", "gptq", check=0)
+    (comp,) = json.loads(proc.stdout)["components"]
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(comp["copied"])
+    ours = AutoTokenizer.from_pretrained(tmp_path / "out")
+    theirs = AutoTokenizer.from_pretrained(CHECKPOINTS / "llama-ct-w4a16")
+    for text in ["hello world, this is a test 123", "  The quick brown fox\n\njumps!", "<s>ab</s> é 漢字"]:
+        assert ours(text)["input_ids"] == theirs(text)["input_ids"], text
+    assert (ours.bos_token, ours.eos_token) == (theirs.bos_token, theirs.eos_token)
 
 
 def test_llama3_rope_factors_read_back_as_the_rope_scaling(tmp_path):

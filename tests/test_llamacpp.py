@@ -232,3 +232,23 @@ def test_negative_control_a_wrong_row_order_is_caught(report):
     entry = report["control-qk-order"]
     assert "error" not in entry, entry
     assert entry["max_abs_logprob_diff"] > TOLERANCE, entry
+
+
+def test_llama_cpp_reads_split_files_as_qconv_does(tmp_path):
+    """qconv's split files past --max-shard-size are llama.cpp's: given the first, llama.cpp loads the set
+    and computes the unsplit file's logits, and refuses a later file given first, as qconv does
+    (formats/gguf/split.py)."""
+    from conftest import split_gguf
+
+    one, first = split_gguf("llama-gptq-w8g128", tmp_path)
+    later = first.with_name("m-00002-of-00003.gguf")
+    out = tmp_path / "result.json"
+    subprocess.run([str(LLAMA_PYTHON), str(SCRIPT), "--ids", ",".join(map(str, IDS)), "--out", str(out),
+                    str(first), str(one), str(later)], capture_output=True, text=True, timeout=600,
+                   stdin=subprocess.DEVNULL)
+    result = json.loads(out.read_text())
+    assert "logits" in result[str(first)], result[str(first)]
+    np.testing.assert_array_equal(np.array(result[str(first)]["logits"]), np.array(result[str(one)]["logits"]))
+    assert "logits" not in result[str(later)], "llama.cpp loaded a later split file on its own"
+    proc = run_qconv("inspect", later)
+    assert proc.returncode == 2 and "pass its first file (m-00001-of-00003.gguf)" in proc.stderr

@@ -22,7 +22,7 @@ from __future__ import annotations
 import codecs
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -132,7 +132,8 @@ class Elided:
 @dataclass(frozen=True)
 class GGUFTensor:
     """One tensor info. ``shape`` is in GGUF order (ne0, the contiguous dimension, first: a [out, in]
-    Linear weight reads (in, out)); ``offset`` is absolute within the file."""
+    Linear weight reads (in, out)); ``offset`` is absolute within ``file``, the file that holds it (one
+    of a split set's: split.py)."""
 
     name: str
     shape: tuple[int, ...]
@@ -140,6 +141,7 @@ class GGUFTensor:
     type_name: str
     offset: int
     nbytes: int
+    file: Path | None = field(default=None, compare=False)
 
     @property
     def numel(self) -> int:
@@ -157,7 +159,8 @@ class GGUFHeader:
     metadata: Mapping[str, Any]        # key -> int | float | bool | str | list | Elided, in file order
     tensors: tuple[GGUFTensor, ...]    # in file order
     data_offset: int
-    file_size: int
+    file_size: int                     # a split set's (split.read_gguf): all its files' bytes
+    files: tuple[Path, ...] = ()       # a split set's files, the first (path) first; () for one file
 
 
 def plain(value):
@@ -369,7 +372,7 @@ def _parse(src: _Source) -> GGUFHeader:
         if data_offset + rel + nbytes > src.size:
             raise src.corrupt(f"data [{data_offset + rel}, {data_offset + rel + nbytes}) runs past the end of "
                               f"the file ({src.size} bytes)", name)
-        tensors.append(GGUFTensor(name, shape, type_id, type_name, data_offset + rel, nbytes))
+        tensors.append(GGUFTensor(name, shape, type_id, type_name, data_offset + rel, nbytes, path))
 
     placed = sorted((t for t in tensors if t.nbytes), key=lambda t: t.offset)
     for a, b in zip(placed, placed[1:]):
@@ -492,6 +495,8 @@ def summary(header: GGUFHeader) -> dict:
     if "split.no" in md or "split.count" in md:
         report["split"] = {"no": md.get("split.no"), "count": md.get("split.count"),
                            "tensors": md.get("split.tensors.count")}
+        if header.files:                              # a whole split set (split.read_gguf): its totals above
+            report["split"]["files"] = [p.name for p in header.files]
     return report
 
 

@@ -6,7 +6,8 @@ rebuilt from the metadata, and whose quantization_config says which ggml type ea
 
 llama.cpp's stacked experts ([experts, out, in]) appear as one tensor per expert, each its own rows of
 the file. The header is read and checked by header.read_header first (bounded, hostile-input safe); the
-full metadata (a tokenizer's token list) is then read with gguf-py's reader.
+full metadata (a tokenizer's token list) is then read with gguf-py's reader. A split GGUF is read from its
+first file as one model (split.read_gguf: every file checked first), each tensor from the file holding it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from ...errors import CorruptCheckpoint, UnsupportedFormat
 from ..storage.checkpoint import Component
 from ..storage.safetensors_header import TensorInfo
 from . import arch as garch
-from .header import GGUFHeader, read_header
+from .header import GGUFHeader
+from .split import read_gguf
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ROPE_FREQS = "rope_freqs.weight"                  # llama-3's rope scaling, as llama.cpp's converter writes it
@@ -27,7 +29,7 @@ _MODEL_DTYPES = {"BF16": "bfloat16", "F16": "float16"}
 
 def full_metadata(path: Path) -> dict:
     """Every metadata value in full (read_header keeps long arrays as a summary), with gguf-py's reader,
-    once read_header has checked the file."""
+    once read_header has checked the file (a split set's metadata is all in its first file)."""
     import gguf
 
     return {key: field.contents() for key, field in gguf.GGUFReader(path).fields.items()
@@ -58,12 +60,9 @@ class Opened:
 
 
 def open_checked(path: Path) -> Opened:
-    """read_header's checks, then the mapping: a split file, an architecture qconv does not map back, or a
-    tensor with no Hugging Face name is refused by name, before any tensor data is read."""
-    header = read_header(path)
-    if int(header.metadata.get("split.count", 1) or 1) > 1:
-        raise UnsupportedFormat("is one of a split GGUF's files, which qconv does not read yet (merge it with "
-                                "llama-gguf-split --merge first)", file=path)
+    """read_gguf's checks (a split set's files included), then the mapping: an architecture qconv does not
+    map back, or a tensor with no Hugging Face name is refused by name, before any tensor data is read."""
+    header = read_gguf(path)
     meta = full_metadata(path)
     config = garch.config_from(meta, path)
     arch = garch.ARCHS[config["model_type"]]
@@ -73,31 +72,32 @@ def open_checked(path: Path) -> Opened:
         if not arch.permute_qk or factors.type_name != "F32":
             raise UnsupportedFormat(f"holds {ROPE_FREQS} ({factors.type_name}), which qconv maps back only as "
                                     f"llama's F32 rope factors (llama-3's rope scaling); nothing written",
-                                    file=path, tensor=factors.name)
-        config["rope_parameters"] = garch.llama3_rope(rope_factors(path, factors), config, path)
+                                    file=factors.file, tensor=factors.name)
+        config["rope_parameters"] = garch.llama3_rope(rope_factors(factors), config, factors.file)
     for t in header.tensors:
         if t.name == ROPE_FREQS:
             continue
         if t.name not in names:
             raise UnsupportedFormat(f"has no Hugging Face name in qconv's {arch.name} mapping; nothing written",
-                                    file=path, tensor=t.name)
+                                    file=t.file, tensor=t.name)
     if "lm_head.weight" not in {names.get(t.name) for t in header.tensors}:
         config["tie_word_embeddings"] = True          # llama.cpp falls back to token_embd, as transformers does
     config["dtype"] = model_dtype(header)
     return Opened(header, meta, config, arch, {t.name: names[t.name] for t in header.tensors if t.name != ROPE_FREQS})
 
 
-def rope_factors(path: Path, t):
-    """A GGUF's rope_freqs tensor (F32, a few hundred bytes; its size and offset checked by read_header)."""
+def rope_factors(t):
+    """A GGUF's rope_freqs tensor (F32, a few hundred bytes; its size and offset checked by read_header),
+    from the file that holds it."""
     import numpy as np
 
     from ..storage.safetensors_header import open_regular
 
-    with open_regular(path) as f:
+    with open_regular(t.file) as f:
         f.seek(t.offset)
         raw = f.read(t.nbytes)
     if len(raw) != t.nbytes:
-        raise CorruptCheckpoint("file ended while reading the tensor: truncated", file=path, tensor=t.name)
+        raise CorruptCheckpoint("file ended while reading the tensor: truncated", file=t.file, tensor=t.name)
     return np.frombuffer(raw, "<f4").copy()
 
 
@@ -122,13 +122,14 @@ def open_gguf(path: Path) -> Component:
                 if heads:
                     raise UnsupportedFormat(f"llama's q / k rows in llama.cpp's rotary order, stored as {t.type_name}: "
                                             f"only `qconv dequantize` puts float ones back; dequantize this file "
-                                            f"first", file=path, tensor=t.name)
-                tensors[name] = TensorInfo(name, t.type_name, shp, path, offset, nbytes)
+                                            f"first", file=t.file, tensor=t.name)
+                tensors[name] = TensorInfo(name, t.type_name, shp, t.file, offset, nbytes)
                 continue
             rows = shp[0] if len(shp) > 1 else 1
-            tensors[name] = TensorInfo(name, "U8", (rows, nbytes // max(rows, 1)), path, offset, nbytes)
+            tensors[name] = TensorInfo(name, "U8", (rows, nbytes // max(rows, 1)), t.file, offset, nbytes)
             types[name] = t.type_name
             if heads:
                 order[name] = heads
     config["quantization_config"] = {"quant_method": "gguf", "ggml_types": types, "row_order": order}
-    return Component(name=path.name, path=path, files=(path,), headers={}, tensors=tensors, config=config)
+    return Component(name=path.name, path=path, files=header.files or (path,), headers={}, tensors=tensors,
+                     config=config)
