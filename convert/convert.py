@@ -751,7 +751,8 @@ def convert(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
             max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False, jobs: int = 1) -> dict:
     if opts.to == "gguf":                       # one file, not a folder: its own writer (to_gguf.py)
         from .to_gguf import convert_to_gguf
-        return convert_to_gguf(src, dst, opts, overwrite=overwrite, max_shard_size=max_shard_size, validate=validate)
+        return convert_to_gguf(src, dst, opts, overwrite=overwrite, max_shard_size=max_shard_size, validate=validate,
+                               jobs=jobs)
     if opts.to not in TARGETS:
         raise ValueError(opts.to)
     return run(src, dst, lambda comp, out: convert_component(comp, out, opts, max_shard_size, jobs),

@@ -366,7 +366,30 @@ def _add(writer, key: str, kind, value) -> None:
         raise AssertionError(kind)
 
 
-def write(comp: Component, path: Path, opts: Options, max_shard: int) -> dict:
+def _ahead(outs: list[_Out], jobs: int):
+    """Each tensor's chunks, in order. With jobs > 1 the quantized modules (read, decoded, encoded: numpy
+    work that leaves the GIL) are made in threads up to `jobs` tensors ahead of the one being written, so
+    memory stays bounded by that window of modules; float tensors stream slab by slab as they are
+    written. The bytes are the same whatever jobs."""
+    if jobs <= 1:
+        yield from (o.chunks() for o in outs)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(jobs, thread_name_prefix="qconv-gguf") as pool:
+        pending = {}
+        try:
+            for i, o in enumerate(outs):
+                for j in range(i, min(i + jobs + 1, len(outs))):
+                    if j not in pending and outs[j].kept is not None:
+                        pending[j] = pool.submit(lambda o=outs[j]: list(o.chunks()))
+                yield pending.pop(i).result() if i in pending else o.chunks()
+        finally:
+            for f in pending.values():
+                f.cancel()
+
+
+def write(comp: Component, path: Path, opts: Options, max_shard: int, jobs: int = 1) -> dict:
     import gguf
 
     tally = Tally()
@@ -394,20 +417,19 @@ def write(comp: Component, path: Path, opts: Options, max_shard: int) -> dict:
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     by_name = {o.name: o for o in outs}
+    order = [(fout, by_name[name]) for fout, names in zip(writer.fout, shards) for name in names]
     written = 0
-    for fout, names in zip(writer.fout, shards):
-        for name in names:
-            o = by_name[name]
-            writer.write_padding(fout, fout.tell())
-            n = 0
-            for chunk in o.chunks():
-                b = np.ascontiguousarray(chunk)
-                fout.write(b.tobytes() if b.ndim == 0 else memoryview(b).cast("B"))
-                n += b.nbytes
-            if n != o.nbytes:
-                raise AssertionError(f"{name}: wrote {n} bytes, planned {o.nbytes}")
-            writer.write_padding(fout, n)
-            written += n
+    for (fout, o), chunks in zip(order, _ahead([o for _, o in order], jobs)):
+        writer.write_padding(fout, fout.tell())
+        n = 0
+        for chunk in chunks:
+            b = np.ascontiguousarray(chunk)
+            fout.write(b.tobytes() if b.ndim == 0 else memoryview(b).cast("B"))
+            n += b.nbytes
+        if n != o.nbytes:
+            raise AssertionError(f"{o.name}: wrote {n} bytes, planned {o.nbytes}")
+        writer.write_padding(fout, n)
+        written += n
     writer.close()
     summary = tally.summary()
     vision = sum(1 for n in comp.tensors if arch.text_of and garch.is_vision(n))
@@ -435,7 +457,7 @@ def write(comp: Component, path: Path, opts: Options, max_shard: int) -> dict:
             "warnings": warnings}
 
 
-def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
+def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = False, jobs: int = 1,
                     max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False) -> dict:
     import time
 
@@ -450,7 +472,7 @@ def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = Fa
     comp = target.components[0]
     t0 = time.monotonic()
     with staged_output(src, dst, overwrite=overwrite, files=True) as tmp:
-        report = write(comp, tmp / dst.name, opts, max_shard_size)
+        report = write(comp, tmp / dst.name, opts, max_shard_size, jobs)
         if validate:                                  # before the move: a result that fails never reaches DST
             report["validation"] = check(comp, [tmp / f for f in report["shards"]], report, dst)
     return {"source": str(src), "destination": str(dst), "seconds": round(time.monotonic() - t0, 3),

@@ -193,6 +193,17 @@ def test_output_is_deterministic(tmp_path):
     assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
 
 
+@pytest.mark.parametrize("src", ["llama-gptq-w4g64-asym", "qwen3moe-fp8-block"])
+def test_the_same_bytes_whatever_jobs(tmp_path, src):
+    """--jobs N makes the quantized modules in N threads ahead of the writer: the file and the summary
+    (requantized errors included) are the same as one thread's."""
+    one = convert(src, tmp_path / "a.gguf", "--jobs", "1")
+    many = convert(src, tmp_path / "b.gguf", "--jobs", "3")
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+    assert one.pop("shards") == ["a.gguf"] and many.pop("shards") == ["b.gguf"]
+    assert one == many
+
+
 def test_split_files(tmp_path):
     """Past --max-shard-size, llama.cpp's split files (-00001-of-0000N.gguf), each a GGUF with its split
     keys, every tensor in one of them."""
