@@ -10,7 +10,8 @@ type (Q8_0's vec_dot pairs), which the float run does not, so this is not an all
 tiny fixtures (2 layers, vocab 512, 12 positions, log-probabilities over the float run's top 5 tokens;
 llama.cpp is deterministic here, the same numbers on every rerun): code-kept files differ from their float
 model by 0.012 to 0.046 (Q4_1's float16 minimum the largest; llama, qwen2, qwen3), requantized ones
-(qwen3-moe included) from theirs by 0.012 to 0.019, float GGUFs by 0.0015 to 0.0044; a layout error (llama's q / k rows left in Hugging Face order in ONE
+(qwen3-moe included) from theirs by 0.012 to 0.019, 0.040 with the embeddings and lm_head in Q8_0 too
+(--gguf-float-type q8_0), float GGUFs by 0.0004 (F32) to 0.0044; a layout error (llama's q / k rows left in Hugging Face order in ONE
 tensor kind, the negative control) by 0.70, with 6 of 12 top-1 tokens changed. TOLERANCE = 0.1 lies
 2x above the worst legitimate difference and 7x below the control.
 """
@@ -50,14 +51,17 @@ CASES = [
     ("gptq-actorder-requant", "llama-gptq-w4g128-actorder", (), False),
     ("fp16-data-free-q8_0", "llama-fp16", (), False),
     ("fp16-float", "llama-fp16", ("--gguf-float",), True),
+    ("fp16-float-f32", "llama-fp16", ("--gguf-float", "--gguf-float-type", "f32"), True),
+    ("gptq-w8-emb-q8_0", "llama-gptq-w8g128", ("--gguf-float-type", "q8_0"), False),   # embeddings requantized
     ("qwen2-w4-q4_0", "qwen2-autoround-w4g128", (), True),
     ("qwen3-w8-q8_0", "qwen3-autoround-w8g128", (), True),
     ("qwen3moe-fp8-requant", "qwen3moe-fp8-block", (), False),
     ("qwen3moe-bf16-float", "qwen3moe-bf16", ("--gguf-float",), True),
+    ("qwen3moe-bf16-float-f16", "qwen3moe-bf16", ("--gguf-float", "--gguf-float-type", "f16"), True),
 ]
 K_QUANTS = ("Q4_K_M", "Q6_K")
 ARCH = {"qwen2-w4-q4_0": "qwen2", "qwen3-w8-q8_0": "qwen3", "qwen3moe-fp8-requant": "qwen3moe",
-        "qwen3moe-bf16-float": "qwen3moe"}
+        "qwen3moe-bf16-float": "qwen3moe", "qwen3moe-bf16-float-f16": "qwen3moe"}
 
 
 def log_softmax(x):
