@@ -69,6 +69,7 @@ class Options:
     search: bool = True                 # False: integer requantization is plain round-to-nearest (--no-search)
     gguf_asym: str = "Q5_0"             # --to gguf: the block type of 4-bit asymmetric modules (Q5_0 or Q4_1)
     gguf_float: bool = False            # --to gguf: modules whose codes cannot be kept stored as float
+    gguf_float_type: str = "auto"       # --to gguf: embeddings, lm_head, --gguf-float modules (auto|f32|f16|bf16|q8_0)
 
 
 @dataclass
