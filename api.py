@@ -40,6 +40,7 @@ __all__ = ["inspect", "convert", "bnb8_to_gptq", "dequantize", "validate",
 FLOAT_TARGETS = ("float16", "bfloat16", "float32")
 GGUF_TARGET = "gguf"                         # one llama.cpp GGUF file (convert/to_gguf.py)
 GGUF_ASYM = ("q5_0", "q4_1")
+GGUF_FLOAT_TYPES = ("auto", "f32", "f16", "bf16", "q8_0")
 SCALE_DTYPES = FLOAT_TARGETS
 DEQUANTIZE_DTYPES = ("auto",) + FLOAT_TARGETS
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -151,10 +152,12 @@ class ConvertOptions:
     search: bool = True                    # False: integer requantization is round-to-nearest, no search
     gguf_asym: str = "q5_0"                # gguf: block type of 4-bit asymmetric modules (q5_0 exact, q4_1)
     gguf_float: bool = False               # gguf: modules whose codes cannot be kept stored as float
+    gguf_float_type: str = "auto"          # gguf: type of embeddings, lm_head, --gguf-float modules
 
     def __post_init__(self):
         _choice("to", self.to, targets())
         _choice("gguf_asym", self.gguf_asym, GGUF_ASYM)
+        _choice("gguf_float_type", self.gguf_float_type, GGUF_FLOAT_TYPES)
         object.__setattr__(self, "jobs", _jobs(self.jobs))
         _int_in("bits", self.bits, 2, 8)
         if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
@@ -173,7 +176,8 @@ class ConvertOptions:
 
         return Options(self.to, self.bits, self.group_size, self.sym, self.scale_dtype, self.blocksize,
                        self.double_quant, self.quant_storage, block_size=self.block_size, source=self.source,
-                       search=bool(self.search), gguf_asym=self.gguf_asym.upper(), gguf_float=bool(self.gguf_float))
+                       search=bool(self.search), gguf_asym=self.gguf_asym.upper(), gguf_float=bool(self.gguf_float),
+                       gguf_float_type=self.gguf_float_type)
 
 
 @dataclass(frozen=True)
@@ -327,7 +331,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
             blocksize: int | None = None, double_quant: bool | None = None, quant_storage: str | None = None,
             block_size: tuple[int, int] | str | None = None, validate: bool = False, overwrite: bool = False,
             max_shard_size: int | str = DEFAULT_MAX_SHARD, jobs: int | None = None, search: bool = True,
-            gguf_asym: str = "q5_0", gguf_float: bool = False,
+            gguf_asym: str = "q5_0", gguf_float: bool = False, gguf_float_type: str = "auto",
             progress: ProgressCallback | None = None) -> ConvertResult:
     """Rewrite ``src`` as ``to`` (``targets()``: gptq, gptq-v2, auto-round, compressed-tensors,
     compressed-tensors-w8a8, awq, bnb8, bnb4-nf4, bnb4-fp4, float16, bfloat16, float32) at ``dst``, keeping
@@ -342,10 +346,13 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     (no error-minimising search: several times faster, a larger error, reported as ever). to="gguf" writes
     ``dst`` as one llama.cpp GGUF file (and its split files past max_shard_size): gguf_asym is the block type
     of 4-bit asymmetric modules ("q5_0", exact; "q4_1", smaller, its minimum rounded to float16), gguf_float
-    stores modules whose codes cannot be kept as float instead of requantizing them."""
+    stores modules whose codes cannot be kept as float instead of requantizing them, gguf_float_type is the
+    type of the 2-D float tensors (embeddings, lm_head) and of those modules ("auto": the model's dtype,
+    as llama.cpp's converter; "f32", "f16", "bf16", or "q8_0", requantized with its error reported)."""
     opts = ConvertOptions(to, bits, group_size, sym, scale_dtype, blocksize, double_quant, quant_storage,
                           block_size=block_size, validate=validate, overwrite=overwrite, max_shard_size=max_shard_size,
-                          jobs=jobs, search=search, gguf_asym=gguf_asym, gguf_float=gguf_float)
+                          jobs=jobs, search=search, gguf_asym=gguf_asym, gguf_float=gguf_float,
+                          gguf_float_type=gguf_float_type)
     return _run_convert(src, dst, opts, progress)
 
 

@@ -168,6 +168,10 @@ def _convert_table(result: dict) -> str:
             lines.append(f"  {c['component']}: {r['module']}: {r['reason']}: rel. error {r['rel_frobenius']:.4f}"
                          f" (round-to-nearest {r['rtn_rel_frobenius']:.4f}), max abs {r['max_abs']:.3g}")
     for c in result["components"]:
+        for r in c.get("float_rounded", []):
+            lines.append(f"  {c['component']}: {r['tensor']} ({r['source']}): float tensor rounded to {r['to']}: "
+                         f"{r['values']} values not exact, max rel. error {r['max_rel_error']:.3g}")
+    for c in result["components"]:
         a = c.get("activation_cost")
         if a and a["layers"]:
             lines.append(f"  {c['component']}: run-time {a['activations']} activations (this target's kernels) change "
@@ -234,9 +238,15 @@ def _common(fn):
 @click.option("--gguf-float", is_flag=True, default=False,
               help="gguf: store modules whose codes cannot be kept as float (the model's dtype) instead of "
                    "requantizing them to Q8_0 / Q4_0.")
+@click.option("--gguf-float-type", type=click.Choice(api.GGUF_FLOAT_TYPES), default="auto", show_default=True,
+              help="gguf: type of the 2-D float tensors (embeddings, lm_head) and of --gguf-float's modules: "
+                   "auto keeps the model's 16-bit dtype as llama.cpp's converter does; f32, f16, bf16 convert "
+                   "(rounding reported, a value f16 cannot hold refused); q8_0 requantizes (error reported). "
+                   "Norms, biases and the MoE router stay F32.")
 @_common
 def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, double_quant, quant_storage,
-                block_size, search, gguf_asym, gguf_float, overwrite, max_shard_size, jobs, as_json, validate) -> int:
+                block_size, search, gguf_asym, gguf_float, gguf_float_type, overwrite, max_shard_size, jobs, as_json,
+                validate) -> int:
     """Rewrite SRC in another format at DST, keeping every integer code where the arithmetic allows
     (bnb8 <-> GPTQ 8-bit per-row symmetric or compressed-tensors W8A8 / W8A16 per channel; GPTQ v1 <-> v2
     <-> auto-round <-> compressed-tensors <-> AWQ where the bits, groups and zero points fit). W8A8 also
@@ -250,7 +260,7 @@ def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, dou
                          blocksize=int(blocksize) if blocksize else None, double_quant=double_quant,
                          quant_storage=quant_storage, block_size=block_size, validate=validate, overwrite=overwrite,
                          max_shard_size=max_shard_size, jobs=jobs, search=search, gguf_asym=gguf_asym,
-                         gguf_float=gguf_float, progress=_progress())
+                         gguf_float=gguf_float, gguf_float_type=gguf_float_type, progress=_progress())
     return _show_convert(result, as_json)
 
 

@@ -69,6 +69,7 @@ class Options:
     search: bool = True                 # False: integer requantization is plain round-to-nearest (--no-search)
     gguf_asym: str = "Q5_0"             # --to gguf: the block type of 4-bit asymmetric modules (Q5_0 or Q4_1)
     gguf_float: bool = False            # --to gguf: modules whose codes cannot be kept stored as float
+    gguf_float_type: str = "auto"       # --to gguf: embeddings, lm_head, --gguf-float modules (auto|f32|f16|bf16|q8_0)
 
 
 @dataclass
@@ -751,7 +752,8 @@ def convert(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
             max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False, jobs: int = 1) -> dict:
     if opts.to == "gguf":                       # one file, not a folder: its own writer (to_gguf.py)
         from .to_gguf import convert_to_gguf
-        return convert_to_gguf(src, dst, opts, overwrite=overwrite, max_shard_size=max_shard_size, validate=validate)
+        return convert_to_gguf(src, dst, opts, overwrite=overwrite, max_shard_size=max_shard_size, validate=validate,
+                               jobs=jobs)
     if opts.to not in TARGETS:
         raise ValueError(opts.to)
     return run(src, dst, lambda comp, out: convert_component(comp, out, opts, max_shard_size, jobs),

@@ -10,6 +10,9 @@ and moved to DST only when it is complete (staging.staged_output(files=True)).
 
 Float tensors are stored as llama.cpp's converter stores them by default: 1-D (norms) as F32, 2-D
 (embeddings, lm_head) in the model's own 16-bit dtype, so nothing outside the quantized Linears changes.
+--gguf-float-type (as the converter's --outtype) stores the 2-D ones, and the modules --gguf-float keeps
+float, as F32, F16, BF16 or Q8_0 instead; what a conversion rounds is reported per tensor, and a value
+it would make infinite is refused.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from ..formats.gguf import arch as garch
 from ..formats.gguf import codec
 from ..formats.gguf.header import looks_like_gguf
 from ..formats.storage.checkpoint import Component, open_target
-from ..formats.storage.tensor_io import FLOAT_CODES, encode_float, read_array, to_float32
+from ..formats.storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, encode_float, read_array, to_float32
 from .convert import Options, Stats, Tally, _check_source, _exact_weights, _read_float, _source_spec, _split_experts
 from .engine import DEFAULT_MAX_SHARD, plain_chunks
 from .requantize import requantize
@@ -38,6 +41,40 @@ from .staging import staged_output
 
 ROPE_FREQS = "rope_parameters (llama3)"         # the source of rope_freqs: computed from config.json
 _FLOAT_GGML = {"F16": (np.float16, "F16"), "F32": (np.float32, "F32"), "BF16": (np.uint16, "BF16")}
+_FLOAT_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}     # --gguf-float-type
+_WIDER = {"F16": "bf16 or f32", "BF16": "f32"}
+
+
+def _float_type(opts: Options, model_code: str) -> str:
+    """The GGML type of a 2-D float tensor or a --gguf-float module: --gguf-float-type, else (auto) the
+    model's own dtype."""
+    return _FLOAT_TYPES.get(opts.gguf_float_type, model_code)
+
+
+class _Rounding:
+    """A float tensor converted to the type chosen, and what the conversion changed, for the summary:
+    how many values are not exactly representable and the largest relative error among them. A finite
+    value the type would make infinite (float16's 65504) is refused, never written as inf."""
+
+    def __init__(self, code: str, tensor: str, file):
+        self.code, self.tensor, self.file = code, tensor, file
+        self.values, self.max_rel_error = 0, 0.0
+
+    def encode(self, x32: np.ndarray) -> np.ndarray:
+        x32 = np.ascontiguousarray(x32, np.float32)
+        stored = encode_float(x32, self.code)
+        back = to_float32(stored, self.code)
+        same = (back == x32) | (np.isnan(back) & np.isnan(x32))
+        if not same.all():
+            over = np.isfinite(x32) & ~np.isfinite(back)
+            if over.any():
+                raise UnsupportedFormat(f"holds {float(x32[over][0]):.6g}, beyond {self.code}'s range (it would be "
+                                        f"infinite): use --gguf-float-type {_WIDER[self.code]}", file=self.file,
+                                        tensor=self.tensor)
+            x = x32[~same].astype(np.float64)
+            self.values += x.size
+            self.max_rel_error = max(self.max_rel_error, float((np.abs(back[~same] - x) / np.abs(x)).max()))
+        return stored
 
 
 @dataclass
@@ -52,6 +89,7 @@ class _Out:
     kept: bool | None = None         # quantized modules: codes kept (None: a float tensor)
     stored_float: bool = False       # a module stored as float (--gguf-float)
     experts: int = 0                 # stacked experts (llama.cpp's *_exps): one module per expert, in order
+    rounded: tuple = ()              # float conversions (_Rounding), filled as the tensor is written
 
 
 def _g_idx(comp: Component, m: QuantModule):
@@ -93,11 +131,19 @@ def _natural_type(comp, det, m: QuantModule, opts: Options, src_dtype: str) -> t
 def _module_out(comp, det, m: QuantModule, opts: Options, arch, name: str, src_dtype: str, tally: Tally,
                 typed: tuple[str | None, str | None], as_float: bool = False) -> _Out:
     """One module's output tensor: its blocks in the type planned (typed: (type, reason its codes are not
-    kept)), or with as_float its exact weights in the model's dtype (--gguf-float)."""
+    kept)), or with as_float its exact weights as float (--gguf-float), in --gguf-float-type's type."""
     type_name, reason = typed
     heads = garch.heads_of(comp.config, m.name + ".weight") if arch.permute_qk else None
-    if as_float:                                      # stored as float, in the model's dtype
-        return _dequantized_out(comp, det, m, name, src_dtype, heads)
+    if as_float and opts.gguf_float_type == "q8_0":   # "float" is Q8_0: requantized, its error reported
+        if m.in_features % codec.QK:
+            raise UnsupportedFormat(f"{m.in_features} input features are not a multiple of Q8_0's 32-weight "
+                                    f"blocks; use --gguf-float-type f16, bf16 or f32", tensor=m.name,
+                                    file=comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else comp.path)
+        as_float = False
+        if typed != ("Q8_0", None):
+            type_name, reason = "Q8_0", f"{reason or f'its type {type_name}'}, stored as Q8_0 (--gguf-float-type q8_0)"
+    if as_float:                                      # stored as float
+        return _dequantized_out(comp, det, m, name, src_dtype, heads, opts)
     out, inp = m.out_features, m.in_features
     row = codec.row_bytes(type_name, inp)
 
@@ -133,23 +179,50 @@ def _module_out(comp, det, m: QuantModule, opts: Options, arch, name: str, src_d
     return _Out(name, type_name, (out, row), np.uint8, out * row, chunks, m.name, kept=not reason)
 
 
-def _dequantized_out(comp, det, m: QuantModule, name: str, src_dtype: str, heads: int | None) -> _Out:
+def _dequantized_out(comp, det, m: QuantModule, name: str, src_dtype: str, heads: int | None,
+                     opts: Options) -> _Out:
     """A module whose codes cannot be kept, stored (--gguf-float) as its exact weights in the model's
-    dtype: the float model qconv dequantize writes, one module at a time."""
-    code = FLOAT_CODES[src_dtype]
+    dtype (the float model qconv dequantize writes, one module at a time) or --gguf-float-type's."""
+    code = _float_type(opts, FLOAT_CODES[src_dtype])
     np_dtype, type_name = _FLOAT_GGML[code]
+    rounding = _Rounding(code, m.name, comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else comp.path)
 
     def chunks():
         source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
-        rows = encode_float(_exact_weights(comp, m, source), code)
+        rows = rounding.encode(_exact_weights(comp, m, source))
         yield codec.permute_rows(rows, heads) if heads else rows
 
     n = m.out_features * m.in_features
     return _Out(name, type_name, (m.out_features, m.in_features), np_dtype, n * np.dtype(np_dtype).itemsize, chunks,
-                m.name, kept=None, stored_float=True)
+                m.name, kept=None, stored_float=True, rounded=(rounding,))
 
 
-def _float_out(comp: Component, info, arch, n_blocks: int, where) -> _Out | None:
+def _float_q8_0(info, name: str, heads: int | None, opts: Options, tally: Tally) -> _Out:
+    """A 2-D float tensor (embeddings, lm_head) quantized to Q8_0 (--gguf-float-type q8_0), as a
+    requantized module is: groups of 32 with the per-group search, its error reported."""
+    if len(info.shape) != 2 or info.shape[1] % codec.QK:
+        raise UnsupportedFormat(f"shape {list(info.shape)} is not rows of whole 32-weight Q8_0 blocks; use "
+                                f"--gguf-float-type f16, bf16 or f32", file=info.file, tensor=info.name)
+    out, inp = info.shape
+    row = codec.row_bytes("Q8_0", inp)
+
+    def chunks():
+        st = Stats(modules=1)
+        w = to_float32(read_array(info), info.dtype)
+        if not np.all(np.isfinite(w)):
+            raise CorruptCheckpoint("holds non-finite values (NaN or infinity); they cannot be quantized to Q8_0",
+                                    file=info.file, tensor=info.name)
+        qt, err = requantize(w, 8, codec.QK, True, "F16", FLOAT_NAMES[info.dtype], search=opts.search)
+        st.requantized(info.name, "float tensor quantized (--gguf-float-type q8_0)", FLOAT_NAMES[info.dtype],
+                       "Q8_0", err)
+        blocks, _ = codec.encode(qt, "Q8_0")
+        tally.add(info.name, st)
+        yield codec.permute_rows(blocks, heads) if heads else blocks
+
+    return _Out(name, "Q8_0", (out, row), np.uint8, out * row, chunks, info.name, kept=False)
+
+
+def _float_out(comp: Component, info, arch, n_blocks: int, where, opts: Options, tally: Tally) -> _Out | None:
     name = garch.gguf_name(info.name, arch, n_blocks, where)
     if name is None:
         return None
@@ -159,20 +232,32 @@ def _float_out(comp: Component, info, arch, n_blocks: int, where) -> _Out | None
     # as convert_hf_to_gguf stores them: 1-D tensors, norms, the MoE router and biases as F32
     f32 = len(info.shape) == 1 or name.endswith("_norm.weight") or ".ffn_gate_inp." in name \
         or not name.endswith(".weight")
-    code = "F32" if f32 else info.dtype
-    np_dtype, type_name = _FLOAT_GGML[code]
+    # the 2-D ones (embeddings, lm_head) in the model's dtype, or --gguf-float-type's
+    code = "F32" if f32 else _float_type(opts, info.dtype)
     heads = garch.heads_of(comp.config, info.name) if arch.permute_qk else None
+    if code == "Q8_0":
+        return _float_q8_0(info, name, heads, opts, tally)
+    np_dtype, type_name = _FLOAT_GGML[code]
     n = int(np.prod(info.shape, dtype=np.int64))
+    rounding = _Rounding(code, info.name, info.file)
+
+    def converted():
+        if code in (info.dtype, "F32"):               # exact: the values as they are
+            yield from plain_chunks(info, code)
+        else:
+            for c in plain_chunks(info, info.dtype):
+                yield rounding.encode(to_float32(c, info.dtype))
 
     def chunks():
         if heads:                                     # a float q / k: its rows permuted as a whole
-            data = np.concatenate([c.reshape(-1, info.shape[-1]) for c in plain_chunks(info, code)])
+            data = np.concatenate([c.reshape(-1, info.shape[-1]) for c in converted()])
             yield codec.permute_rows(data, heads).view(np_dtype)
             return
-        for c in plain_chunks(info, code):
+        for c in converted():
             yield np.ascontiguousarray(c).view(np_dtype)
 
-    return _Out(name, type_name, tuple(info.shape), np_dtype, n * np.dtype(np_dtype).itemsize, chunks, info.name)
+    return _Out(name, type_name, tuple(info.shape), np_dtype, n * np.dtype(np_dtype).itemsize, chunks, info.name,
+                rounded=(rounding,))
 
 
 def modules_of(comp: Component, det, opts: Options) -> list[QuantModule]:
@@ -234,10 +319,11 @@ def _stacked(comp, det, group: list[QuantModule], opts: Options, arch, name: str
         for o in outs:
             yield from o.chunks()
 
-    kept = None if as_float else all(o.kept for o in outs)
+    kept = None if first.stored_float else all(o.kept for o in outs)
     pattern = _EXPERT.sub(r"\1.{}.\3", group[0].name)
     return _Out(name, first.type_name, (len(outs), *first.shape), first.dtype, sum(o.nbytes for o in outs), chunks,
-                pattern, kept=kept, stored_float=as_float, experts=len(outs))
+                pattern, kept=kept, stored_float=first.stored_float, experts=len(outs),
+                rounded=tuple(r for o in outs for r in o.rounded))
 
 
 def _source_fields(comp: Component) -> list | None:
@@ -319,7 +405,7 @@ def plan(comp: Component, opts: Options, tally: Tally) -> tuple[object, list[_Ou
     fused = {m.details["rows_of"][0].name for m in modules if "rows_of" in m.details}
     for name, info in sorted(comp.tensors.items(), key=lambda kv: natural_key(kv[0])):
         if name not in claimed and not _expert_bias(comp, info, fused):
-            o = _float_out(comp, info, arch, n_blocks, info.file)
+            o = _float_out(comp, info, arch, n_blocks, info.file, opts, tally)
             if o is not None:
                 outs.append(o)
     outs.sort(key=lambda o: natural_key(o.source))
@@ -366,7 +452,30 @@ def _add(writer, key: str, kind, value) -> None:
         raise AssertionError(kind)
 
 
-def write(comp: Component, path: Path, opts: Options, max_shard: int) -> dict:
+def _ahead(outs: list[_Out], jobs: int):
+    """Each tensor's chunks, in order. With jobs > 1 the quantized modules (read, decoded, encoded: numpy
+    work that leaves the GIL) are made in threads up to `jobs` tensors ahead of the one being written, so
+    memory stays bounded by that window of modules; float tensors stream slab by slab as they are
+    written. The bytes are the same whatever jobs."""
+    if jobs <= 1:
+        yield from (o.chunks() for o in outs)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(jobs, thread_name_prefix="qconv-gguf") as pool:
+        pending = {}
+        try:
+            for i, o in enumerate(outs):
+                for j in range(i, min(i + jobs + 1, len(outs))):
+                    if j not in pending and outs[j].kept is not None:
+                        pending[j] = pool.submit(lambda o=outs[j]: list(o.chunks()))
+                yield pending.pop(i).result() if i in pending else o.chunks()
+        finally:
+            for f in pending.values():
+                f.cancel()
+
+
+def write(comp: Component, path: Path, opts: Options, max_shard: int, jobs: int = 1) -> dict:
     import gguf
 
     tally = Tally()
@@ -394,20 +503,19 @@ def write(comp: Component, path: Path, opts: Options, max_shard: int) -> dict:
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     by_name = {o.name: o for o in outs}
+    order = [(fout, by_name[name]) for fout, names in zip(writer.fout, shards) for name in names]
     written = 0
-    for fout, names in zip(writer.fout, shards):
-        for name in names:
-            o = by_name[name]
-            writer.write_padding(fout, fout.tell())
-            n = 0
-            for chunk in o.chunks():
-                b = np.ascontiguousarray(chunk)
-                fout.write(b.tobytes() if b.ndim == 0 else memoryview(b).cast("B"))
-                n += b.nbytes
-            if n != o.nbytes:
-                raise AssertionError(f"{name}: wrote {n} bytes, planned {o.nbytes}")
-            writer.write_padding(fout, n)
-            written += n
+    for (fout, o), chunks in zip(order, _ahead([o for _, o in order], jobs)):
+        writer.write_padding(fout, fout.tell())
+        n = 0
+        for chunk in chunks:
+            b = np.ascontiguousarray(chunk)
+            fout.write(b.tobytes() if b.ndim == 0 else memoryview(b).cast("B"))
+            n += b.nbytes
+        if n != o.nbytes:
+            raise AssertionError(f"{o.name}: wrote {n} bytes, planned {o.nbytes}")
+        writer.write_padding(fout, n)
+        written += n
     writer.close()
     summary = tally.summary()
     vision = sum(1 for n in comp.tensors if arch.text_of and garch.is_vision(n))
@@ -424,18 +532,25 @@ def write(comp: Component, path: Path, opts: Options, max_shard: int) -> dict:
         parts = [o.source.format(i) for i in range(o.experts)] if o.experts else [o.source]
         return "requantized" if any(p in requantized for p in parts) else "kept"
 
+    def rounded(o: _Out) -> dict:
+        values = sum(r.values for r in o.rounded)
+        return {"rounded": {"to": o.type_name, "values": values,
+                            "max_rel_error": max(r.max_rel_error for r in o.rounded)}} if values else {}
+
     tensors = [{"tensor": o.name, "source": o.source, "type": o.type_name, "codes": codes(o),
-                **({"experts": o.experts} if o.experts else {})} for o in outs]
+                **({"experts": o.experts} if o.experts else {}), **rounded(o)} for o in outs]
     by_type: dict[str, int] = {}
     for o in outs:
         by_type[o.type_name] = by_type.get(o.type_name, 0) + 1
     return {"component": comp.name, "from": det.method, "to": "gguf", "search": opts.search, **summary,
             "gguf_types": dict(sorted(by_type.items())), "gguf_tensors": tensors,
+            "float_rounded": [{"tensor": t["tensor"], "source": t["source"], **t["rounded"]} for t in tensors
+                              if "rounded" in t],
             "shards": [f.name for f in files], "tensors": len(outs), "bytes_written": written,
             "warnings": warnings}
 
 
-def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
+def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = False, jobs: int = 1,
                     max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False) -> dict:
     import time
 
@@ -451,7 +566,7 @@ def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = Fa
     _check_not_a_source_file(comp, dst)
     t0 = time.monotonic()
     with staged_output(src, dst, overwrite=overwrite, files=True) as tmp:
-        report = write(comp, tmp / dst.name, opts, max_shard_size)
+        report = write(comp, tmp / dst.name, opts, max_shard_size, jobs)
         if validate:                                  # before the move: a result that fails never reaches DST
             report["validation"] = check(comp, [tmp / f for f in report["shards"]], report, dst)
     return {"source": str(src), "destination": str(dst), "seconds": round(time.monotonic() - t0, 3),
@@ -477,8 +592,10 @@ def check(comp: Component, files: list[Path], report: dict, shown: Path) -> dict
     (gguf-py's GGUFReader and quants.dequantize), q / k rows put back in Hugging Face order, against the
     source: a module whose codes were kept must equal the source's dequantization up to the float16
     rounding of its scales (|W_gguf - W| <= max_scale_rel_error |W| per weight, as reported); a
-    requantized one must have the error convert reported; a float tensor must equal the source's
-    values. Raises ValidationFailed, naming the first tensor that does not."""
+    requantized one (Q8_0 embeddings too) must have the error convert reported; a float tensor must equal
+    the source's values converted to the type written (F32, F16 or BF16, rounded to nearest even), and
+    every tensor must have the type the summary names. Raises ValidationFailed, naming the first tensor
+    that does not."""
     import gguf
 
     from ..errors import ValidationFailed
@@ -499,6 +616,9 @@ def check(comp: Component, files: list[Path], report: dict, shown: Path) -> dict
         if t is None:
             raise ValidationFailed(f"validation failed, nothing written: tensor {entry['tensor']!r} is missing",
                                    file=shown)
+        if t.tensor_type.name != entry["type"]:
+            raise ValidationFailed(f"validation failed, nothing written: {entry['tensor']} is {t.tensor_type.name}, "
+                                   f"not {entry['type']}", file=shown)
         got = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
         if entry["source"] == ROPE_FREQS:
             if not np.allclose(got, garch.rope_freqs(comp.config), rtol=1e-5, atol=0):
@@ -522,7 +642,6 @@ def _mismatch(comp, det, modules, part: str, got: np.ndarray, entry: dict, error
               src_dtype: str, permute: bool) -> str | None:
     """Why one module's (or float tensor's) weights as read back from the GGUF are not what was written
     from the source; None where they are (check)."""
-
     m = modules.get(part)
     if m is not None:
         source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
@@ -535,8 +654,8 @@ def _mismatch(comp, det, modules, part: str, got: np.ndarray, entry: dict, error
     got = got.reshape(ref.shape)
     if heads:
         got = codec.unpermute_rows(got, heads)
-    if entry["codes"] == "float":                     # the exact weights in the model's dtype
-        code = FLOAT_CODES[src_dtype]
+    if entry["type"] in _FLOAT_GGML:                  # a float tensor: its values in the type written
+        code = entry["type"]
         ref = to_float32(encode_float(np.ascontiguousarray(ref, np.float32), code), code)
     diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
     if part in errors:                                # requantized: the error convert reported

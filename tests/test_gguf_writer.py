@@ -193,6 +193,17 @@ def test_output_is_deterministic(tmp_path):
     assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
 
 
+@pytest.mark.parametrize("src", ["llama-gptq-w4g64-asym", "qwen3moe-fp8-block"])
+def test_the_same_bytes_whatever_jobs(tmp_path, src):
+    """--jobs N makes the quantized modules in N threads ahead of the writer: the file and the summary
+    (requantized errors included) are the same as one thread's."""
+    one = convert(src, tmp_path / "a.gguf", "--jobs", "1")
+    many = convert(src, tmp_path / "b.gguf", "--jobs", "3")
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+    assert one.pop("shards") == ["a.gguf"] and many.pop("shards") == ["b.gguf"]
+    assert one == many
+
+
 def test_split_files(tmp_path):
     """Past --max-shard-size, llama.cpp's split files (-00001-of-0000N.gguf), each a GGUF with its split
     keys, every tensor in one of them."""
@@ -444,4 +455,192 @@ def test_validate_catches_a_wrong_row_order(tmp_path, monkeypatch):
 
     with pytest.raises(ValidationFailed, match=r"attn_[qk]\.weight"):
         to_gguf.convert_to_gguf(CHECKPOINTS / "llama-gptq-w8g128", tmp_path / "m.gguf", Options("gguf"), validate=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def source_tensors(src):
+    """{Hugging Face tensor name: torch tensor} of a fixture, read with safetensors' own torch reader."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted((CHECKPOINTS / src).glob("*.safetensors")):
+        with safe_open(f, "pt") as s:
+            out |= {k: s.get_tensor(k) for k in s.keys()}
+    return out
+
+
+def hf_rows(data, name, llama, config):
+    """A tensor read from the GGUF with llama's q / k rows back in Hugging Face order."""
+    if llama and name.endswith(("attn_q.weight", "attn_k.weight")):
+        return unpermute(data, config["num_attention_heads" if "attn_q" in name else "num_key_value_heads"])
+    return data
+
+
+FLOAT_TYPE_CASES = [
+    ("llama-gptq-w8g128", "f32", ()),                  # BF16 embeddings, lm_head; Linears kept as Q8_0
+    ("llama-gptq-w8g128", "f16", ()),
+    ("llama-gptq-w8g128", "bf16", ()),
+    ("llama-fp16", "f32", ("--gguf-float",)),          # F16 model, every Linear float (llama's q / k permuted)
+    ("llama-fp16", "bf16", ("--gguf-float",)),
+    ("qwen3moe-bf16", "f16", ("--gguf-float",)),       # BF16 model: some values below float16's normal range
+]
+
+
+@pytest.mark.parametrize("src, kind, extra", FLOAT_TYPE_CASES, ids=[f"{s}-{k}" for s, k, _ in FLOAT_TYPE_CASES])
+def test_float_type_converts_the_2d_float_tensors(tmp_path, src, kind, extra):
+    """--gguf-float-type f32 / f16 / bf16: embeddings, lm_head and --gguf-float's modules are stored in that
+    type, their values as torch converts the source's (f32: the same values; bf16 of bf16: the same bits;
+    f16: numpy's float16 rounding); what is not exact is counted in the summary; norms, biases and the
+    router stay F32; kept codes are untouched; --validate passes."""
+    import torch
+
+    comp = convert(src, tmp_path / "m.gguf", "--gguf-float-type", kind, "--validate", *extra)
+    assert comp["validation"]["ok"]
+    config = json.loads((CHECKPOINTS / src / "config.json").read_text())
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    llama = reader.fields["general.architecture"].contents() == "llama"
+    stored = {t.name: t for t in reader.tensors}
+    tensors = source_tensors(src)
+    ggml = {"f32": "F32", "f16": "F16", "bf16": "BF16"}[kind]
+    floats = 0
+    for e in comp["gguf_tensors"]:
+        t = stored[e["tensor"]]
+        if e["codes"] == "kept":
+            assert t.tensor_type.name == "Q8_0"
+            continue
+        one_d = len(t.shape) == 1 or e["tensor"].endswith("_norm.weight") or ".ffn_gate_inp." in e["tensor"]
+        if one_d:
+            assert t.tensor_type.name == "F32", e
+            continue
+        assert t.tensor_type.name == ggml, e
+        floats += 1
+        names = [e["source"].format(i) for i in range(e["experts"])] if e.get("experts") else [e["source"]]
+        source = torch.stack([tensors[n if n in tensors else n + ".weight"] for n in names])
+        raw = np.asarray(t.data).view(np.uint16) if t.tensor_type.name == "BF16" else np.asarray(t.data)
+        got = hf_rows(raw, t.name, llama, config).reshape(source.shape)
+        x = source.float().numpy()
+        if kind == "f32":
+            want = x
+        elif kind == "f16":
+            want = x.astype(np.float16)
+        else:
+            want = source.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            if source.dtype == torch.bfloat16:           # bf16 of bf16: the source's own bytes
+                assert got.tobytes() == source.view(torch.int16).numpy().tobytes(), e
+        np.testing.assert_array_equal(got, want, err_msg=e["tensor"])
+        back = hf_rows(gguf.quants.dequantize(t.data, t.tensor_type), t.name, llama, config).reshape(-1)
+        changed = back != x.reshape(-1)
+        note = e.get("rounded")
+        assert (note["values"] if note else 0) == int(changed.sum()), e
+        if note:
+            xs = x.reshape(-1)[changed].astype(np.float64)
+            rel = np.abs(back[changed] - xs) / np.abs(xs)
+            assert note["to"] == ggml and note["max_rel_error"] == pytest.approx(float(rel.max()), rel=1e-6)
+    assert floats == (16 if extra else 2)          # 2 layers x (q, k, v, o + gate, up, down), embeddings, lm_head
+    if (src, kind) in (("llama-fp16", "bf16"), ("qwen3moe-bf16", "f16")):  # these do round: said, never silent
+        assert comp["float_rounded"] and all(r["values"] > 0 for r in comp["float_rounded"])
+    if kind == "f32" or (src, kind) == ("llama-gptq-w8g128", "bf16"):
+        assert comp["float_rounded"] == []
+
+
+
+@pytest.mark.parametrize("src, extra", [("llama-gptq-w8g128", ()), ("llama-gptq-w4g128-actorder", ("--gguf-float",))])
+def test_float_type_auto_is_the_default(tmp_path, src, extra):
+    """--gguf-float-type auto writes the same bytes as no option (the model's dtype, as before)."""
+    convert(src, tmp_path / "a.gguf", *extra)
+    convert(src, tmp_path / "b.gguf", "--gguf-float-type", "auto", *extra)
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+
+
+def test_float_type_q8_0_requantizes_with_its_error(tmp_path):
+    """--gguf-float-type q8_0: embeddings and lm_head (and with --gguf-float every Linear of a float model,
+    llama's q / k rows permuted) are requantized to Q8_0, each one's error reported as every requantized
+    layer's is: what gguf-py decodes from the file has exactly that error against the source."""
+    import torch
+
+    comp = convert("llama-gptq-w8g128", tmp_path / "e.gguf", "--gguf-float-type", "q8_0", "--validate")
+    assert comp["validation"]["ok"] and comp["codes_kept"] == 14 and comp["requantized"] == 2
+    assert {r["module"] for r in comp["layers"]} == {"model.embed_tokens.weight", "lm_head.weight"}
+    assert comp["gguf_types"] == {"Q8_0": 16, "F32": 5}
+    comp = convert("llama-fp16", tmp_path / "f.gguf", "--gguf-float", "--gguf-float-type", "q8_0", "--validate")
+    assert comp["validation"]["ok"] and comp["requantized"] == comp["modules"] == 16
+    assert set(comp["gguf_types"]) == {"Q8_0", "F32"}
+    _, back, types = read_back(tmp_path / "f.gguf", "llama-fp16")
+    tensors = source_tensors("llama-fp16")
+    names = {e["source"]: e["tensor"] for e in comp["gguf_tensors"]}
+    for r in comp["layers"]:
+        src = tensors[r["module"] if r["module"] in tensors else r["module"] + ".weight"].to(torch.float32).numpy()
+        w = back[names[r["module"]]].reshape(src.shape).astype(np.float64)
+        rel = np.linalg.norm(w - src) / np.linalg.norm(src)
+        assert rel == pytest.approx(r["rel_frobenius"], rel=1e-4, abs=1e-6), r["module"]
+        assert 0 < r["rel_frobenius"] <= r["rtn_rel_frobenius"] < 0.02
+
+
+def test_float_type_refuses_a_value_float16_cannot_hold(tmp_path):
+    """A finite value past float16's 65504 (one BF16 embedding value set to 99840 in a copy of a real
+    checkpoint) is refused with f16 in one line naming the tensor, nothing written; bf16 and f32 hold it,
+    and so does auto (the model's BF16)."""
+    import shutil
+    import struct
+
+    src = tmp_path / "src"
+    shutil.copytree(CHECKPOINTS / "llama-gptq-w8g128", src)
+    path = src / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", raw[:8])[0]
+    info = json.loads(raw[8:8 + n])["model.embed_tokens.weight"]
+    assert info["dtype"] == "BF16"
+    at = 8 + n + info["data_offsets"][0] + 2 * 1000
+    raw[at:at + 2] = struct.pack("<H", 0x47C3)                    # BF16 bits of 99840
+    path.write_bytes(bytes(raw))
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_qconv("convert", src, out / "m.gguf", "--to", "gguf", "--gguf-float-type", "f16", check=5)
+    one_error(proc, 5, "model.embed_tokens.weight", "99840", "F16", "--gguf-float-type bf16 or f32")
+    assert list(out.iterdir()) == []
+    for kind in ("bf16", "f32", "auto"):
+        proc = run_qconv("convert", "--json", src, out / f"{kind}.gguf", "--to", "gguf", "--gguf-float-type", kind,
+                         "--validate", check=0)
+        assert json.loads(proc.stdout)["components"][0]["validation"]["ok"]
+        t = next(t for t in gguf.GGUFReader(out / f"{kind}.gguf").tensors if t.name == "token_embd.weight")
+        assert gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)[1000] == 99840.0
+
+
+def test_validate_catches_a_wrong_float_conversion(tmp_path, monkeypatch):
+    """Negative controls: BF16 written by truncation instead of round-to-nearest-even, and a Q8_0 embedding
+    whose reported error is half its real one, each fail --validate, naming the tensor; nothing written."""
+    import dataclasses
+
+    from qconv.convert import to_gguf
+    from qconv.convert.convert import Options
+    from qconv.errors import ValidationFailed
+
+    with monkeypatch.context() as m:
+        m.setattr(to_gguf._Rounding, "encode",
+                  lambda self, x32: (np.ascontiguousarray(x32, np.float32).view(np.uint32) >> 16).astype(np.uint16))
+        with pytest.raises(ValidationFailed, match=r"weight .*does not read back as the source"):
+            to_gguf.convert_to_gguf(CHECKPOINTS / "llama-fp16", tmp_path / "m.gguf",
+                                    Options("gguf", gguf_float_type="bf16"), validate=True)
+    assert list(tmp_path.iterdir()) == []
+    real = to_gguf.requantize
+
+    def under_reported(*args, **kwargs):
+        qt, err = real(*args, **kwargs)
+        return qt, dataclasses.replace(err, rel_frobenius=err.rel_frobenius / 2)
+
+    monkeypatch.setattr(to_gguf, "requantize", under_reported)
+    with pytest.raises(ValidationFailed, match=r"(token_embd|output)\.weight .*relative error"):
+        to_gguf.convert_to_gguf(CHECKPOINTS / "llama-gptq-w8g128", tmp_path / "m.gguf",
+                                Options("gguf", gguf_float_type="q8_0"), validate=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_float_type_is_one_of_the_choices(tmp_path):
+    import qconv
+    from qconv.errors import UsageError
+
+    with pytest.raises(UsageError, match="gguf_float_type"):
+        qconv.convert(CHECKPOINTS / "llama-fp16", tmp_path / "m.gguf", to="gguf", gguf_float_type="f8")
+    proc = convert("llama-fp16", tmp_path / "m.gguf", "--gguf-float-type", "fp16", check=2)
+    assert "--gguf-float-type" in proc.stderr and "Traceback" not in proc.stderr
     assert list(tmp_path.iterdir()) == []

@@ -10,7 +10,8 @@ type (Q8_0's vec_dot pairs), which the float run does not, so this is not an all
 tiny fixtures (2 layers, vocab 512, 12 positions, log-probabilities over the float run's top 5 tokens;
 llama.cpp is deterministic here, the same numbers on every rerun): code-kept files differ from their float
 model by 0.012 to 0.046 (Q4_1's float16 minimum the largest; llama, qwen2, qwen3), requantized ones
-(qwen3-moe included) from theirs by 0.012 to 0.019, float GGUFs by 0.0015 to 0.0044, gpt-oss-layout MXFP4
+(qwen3-moe included) from theirs by 0.012 to 0.019, 0.040 with the embeddings and lm_head in Q8_0 too
+(--gguf-float-type q8_0), float GGUFs by 0.0004 (F32) to 0.0044, gpt-oss-layout MXFP4
 experts kept (qwen3moe-mxfp4-gptoss, against its oracle logits: ORACLE_REFERENCE) by 0.009 (the same file
 with gate and up swapped: 0.32), the VL text decoders against transformers' Qwen3-VL / Qwen2.5-VL on text
 by 0.010 / 0.009, llama-3's rope scaling by 0.017 (0.042 with its factors set to 1); a layout error (llama's q / k rows left in Hugging Face order in ONE
@@ -54,6 +55,8 @@ CASES = [
     ("gptq-actorder-requant", "llama-gptq-w4g128-actorder", (), False),
     ("fp16-data-free-q8_0", "llama-fp16", (), False),
     ("fp16-float", "llama-fp16", ("--gguf-float",), True),
+    ("fp16-float-f32", "llama-fp16", ("--gguf-float", "--gguf-float-type", "f32"), True),
+    ("gptq-w8-emb-q8_0", "llama-gptq-w8g128", ("--gguf-float-type", "q8_0"), False),   # embeddings requantized
     ("qwen2-w4-q4_0", "qwen2-autoround-w4g128", (), True),
     ("qwen3-w8-q8_0", "qwen3-autoround-w8g128", (), True),
     ("qwen3moe-fp8-requant", "qwen3moe-fp8-block", (), False),
@@ -62,11 +65,13 @@ CASES = [
     ("qwen25vl-bf16-float", "qwen25vl-bf16", ("--gguf-float",), True),
     ("llama3-rope-q8_0", "llama-gptq-w8g128" + LLAMA3, (), True),
     ("qwen3moe-mxfp4-gptoss-kept", "qwen3moe-mxfp4-gptoss", (), True),
+    ("qwen3moe-bf16-float-f16", "qwen3moe-bf16", ("--gguf-float", "--gguf-float-type", "f16"), True),
 ]
 K_QUANTS = ("Q4_K_M", "Q6_K")
 ARCH = {"qwen2-w4-q4_0": "qwen2", "qwen3-w8-q8_0": "qwen3", "qwen3moe-fp8-requant": "qwen3moe",
         "qwen3moe-bf16-float": "qwen3moe", "qwen3vl-bnb8-q8_0": "qwen3vl",
-        "qwen25vl-bf16-float": "qwen2vl", "qwen3moe-mxfp4-gptoss-kept": "qwen3moe"}
+        "qwen25vl-bf16-float": "qwen2vl", "qwen3moe-mxfp4-gptoss-kept": "qwen3moe",
+        "qwen3moe-bf16-float-f16": "qwen3moe"}
 # Sources whose `qconv dequantize` folder transformers loads as ANOTHER model: qwen3moe-mxfp4-gptoss keeps
 # gpt-oss' interleaved gate / up rows under a qwen3_moe config (tests/test_dequantize.py), which
 # Qwen3MoeExperts reads as gate rows then up rows (measured: logits 1.08 away from the right model). Their
