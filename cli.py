@@ -106,8 +106,8 @@ def _summary_table(result: dict) -> str:
 
 
 _JOBS = click.option("--jobs", type=click.IntRange(min=1), default=None, metavar="N",
-                     help="Worker processes writing the output shards (default: the machine's cores); "
-                          "the output is the same bytes whatever N.")
+                     help="Worker processes writing the output shards (--to gguf: threads encoding its "
+                          "modules; default: the machine's cores); the output is the same bytes whatever N.")
 
 
 @cli.command("dequantize", epilog=EXIT_CODES_HELP)

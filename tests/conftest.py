@@ -202,3 +202,15 @@ def split_gguf(src: str, folder: Path, size: str = "700KB") -> tuple[Path, Path]
     (comp,) = json.loads(proc.stdout)["components"]
     assert len(comp["shards"]) > 1 and not (folder / "m.gguf").exists(), comp["shards"]
     return folder / "one.gguf", folder / comp["shards"][0]
+
+
+def assert_same_tokenizer(folder: Path, fixture: str) -> None:
+    """The tokenizer files qconv rebuilt in `folder` (from a GGUF's metadata) give the fixture's own
+    tokenizer's ids on test strings, special tokens and unknown characters included, and its bos / eos."""
+    from transformers import AutoTokenizer
+
+    ours = AutoTokenizer.from_pretrained(folder)
+    theirs = AutoTokenizer.from_pretrained(CHECKPOINTS / fixture)
+    for text in ["hello world, this is a test 123", "  The quick brown fox\n\njumps!", "<s>ab</s> é 漢字"]:
+        assert ours(text)["input_ids"] == theirs(text)["input_ids"], text
+    assert (ours.bos_token, ours.eos_token) == (theirs.bos_token, theirs.eos_token)

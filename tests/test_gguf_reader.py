@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CHECKPOINTS, one_error, requantize_gguf, run_qconv, split_gguf
+from conftest import CHECKPOINTS, assert_same_tokenizer, one_error, requantize_gguf, run_qconv, split_gguf
 
 
 def tensors(folder):
@@ -99,15 +99,9 @@ def test_a_vl_gguf_dequantizes_to_the_text_model_it_computes(tmp_path, name, tex
 def test_the_tokenizer_comes_back(tmp_path):
     """tokenizer.json rebuilt from the GGUF's metadata gives the original tokenizer's ids, special tokens
     and unknown characters included."""
-    from transformers import AutoTokenizer
-
     g = gguf_of("llama-ct-w4a16", tmp_path / "m.gguf")
     run_qconv("dequantize", g, tmp_path / "back", check=0)
-    ours = AutoTokenizer.from_pretrained(tmp_path / "back")
-    theirs = AutoTokenizer.from_pretrained(CHECKPOINTS / "llama-ct-w4a16")
-    for text in ["hello world, this is a test 123", "  The quick brown fox\n\njumps!", "<s>ab</s> é 漢字"]:
-        assert ours(text)["input_ids"] == theirs(text)["input_ids"], text
-    assert (ours.bos_token, ours.eos_token) == (theirs.bos_token, theirs.eos_token)
+    assert_same_tokenizer(tmp_path / "back", "llama-ct-w4a16")
 
 
 def test_other_ggml_types_decode_as_gguf_py_decodes_them(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CHECKPOINTS, one_error, requantize_gguf, run_qconv, split_gguf
+from conftest import CHECKPOINTS, assert_same_tokenizer, one_error, requantize_gguf, run_qconv, split_gguf
 
 
 def gguf_of(src, path, *args):
@@ -126,17 +126,11 @@ def test_a_split_gguf_is_never_overwritten_by_its_own_conversion(tmp_path):
 def test_a_folder_converted_from_a_gguf_carries_its_tokenizer(tmp_path):
     """convert GGUF -> folder writes tokenizer.json / tokenizer_config.json rebuilt from the metadata, as
     dequantize does: the folder's tokenizer gives the original fixture's ids, special tokens included."""
-    from transformers import AutoTokenizer
-
     g = gguf_of("llama-ct-w4a16", tmp_path / "m.gguf")
     proc = run_qconv("convert", "--json", g, tmp_path / "out", "--to", "gptq", check=0)
     (comp,) = json.loads(proc.stdout)["components"]
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(comp["copied"])
-    ours = AutoTokenizer.from_pretrained(tmp_path / "out")
-    theirs = AutoTokenizer.from_pretrained(CHECKPOINTS / "llama-ct-w4a16")
-    for text in ["hello world, this is a test 123", "  The quick brown fox\n\njumps!", "<s>ab</s> é 漢字"]:
-        assert ours(text)["input_ids"] == theirs(text)["input_ids"], text
-    assert (ours.bos_token, ours.eos_token) == (theirs.bos_token, theirs.eos_token)
+    assert_same_tokenizer(tmp_path / "out", "llama-ct-w4a16")
 
 
 def test_llama3_rope_factors_read_back_as_the_rope_scaling(tmp_path):
