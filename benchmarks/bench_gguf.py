@@ -211,7 +211,10 @@ def main() -> None:
             files[f"qconv convert --to gguf, {labels[key]}"] = (kept, key)
             moved = _size(src) + _size(kept)
             wall, rss = _best([qconv, "convert", src, out / "x.gguf", "--to", "gguf"], args.runs, clear(out))
-            rows.append((f"`qconv convert --to gguf`, {labels[key]}", wall, rss, moved))
+            rows.append((f"`qconv convert --to gguf`, {labels[key]} (--jobs: every core)", wall, rss, moved))
+            wall, rss = _best([qconv, "convert", src, out / "x.gguf", "--to", "gguf", "--jobs", "1"], args.runs,
+                              clear(out))
+            rows.append(("    the same, `--jobs 1` (one thread)", wall, rss, moved))
             wall, rss = _best([sys.executable, "-c", RAW, src, kept, raw_out], args.runs, clear(raw_out))
             rows.append(("    (a) raw bytes: plain file read + write", wall, rss, moved))
         if not args.skip_llamacpp:

@@ -560,8 +560,9 @@ def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = Fa
     target = open_target(src)
     if target.kind == "pipeline" or len(target.components) != 1 or (
             target.kind == "file" and not looks_like_gguf(src)):
+        names = ", ".join(f"{src / c.name}" for c in target.components) if target.kind == "pipeline" else ""
         raise UnsupportedFormat("--to gguf converts one model folder or GGUF file (a pipeline's language "
-                                "model: give its folder)", file=src)
+                                f"model: give its folder{': ' + names if names else ''})", file=src)
     comp = target.components[0]
     _check_not_a_source_file(comp, dst)
     t0 = time.monotonic()

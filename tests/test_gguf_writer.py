@@ -427,6 +427,7 @@ def test_gpt_oss_nonzero_expert_biases_are_refused(tmp_path):
 
 @pytest.mark.parametrize("src, needles", [
     ("qwen3vl-bf16", ("has no tokenizer.json", "nothing written")),      # llama.cpp's GGUF needs one
+    ("pipeline-qwen3vl-bnb8", ("give its folder", "pipeline-qwen3vl-bnb8/text_encoder")),
 ])
 def test_what_a_gguf_cannot_be_written_from_is_refused(tmp_path, src, needles):
     proc = convert(src, tmp_path / "m.gguf", check=5)
