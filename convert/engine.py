@@ -223,7 +223,8 @@ def write_component(comp: Component, out_dir: Path, tensors: list[OutTensor], co
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         raise AssertionError("duplicate output tensor names")
-    tokenizer = _gguf_tokenizer(comp)            # before any shard: a tokenizer it cannot rebuild is refused first
+    # a container's rebuilt files (a GGUF's tokenizer), before any shard: one it cannot rebuild is refused first
+    made = comp.made_files() if comp is not None and comp.made_files is not None else {}
     base = base or weights_base(comp)            # a GGUF source names no safetensors file: "model"
     shards = plan_shards([(t.name, t.dtype, t.shape) for t in tensors], max_shard, base)
     by_name = {t.name: t for t in tensors}
@@ -253,22 +254,10 @@ def write_component(comp: Component, out_dir: Path, tensors: list[OutTensor], co
     carried = plan_other_files(comp.path, comp.root) if comp is not None and comp.path.is_dir() \
         else CopyPlan([], [], [])
     carry(carried, out_dir)
-    for name, doc in tokenizer.items():
+    for name, doc in made.items():
         (out_dir / name).write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
     return {"shards": [s.filename for s in shards], "tensors": len(tensors), "bytes_written": written,
-            "copied": [rel for _, rel in carried.files] + sorted(tokenizer), "left_out": carried.left_out}
-
-
-def _gguf_tokenizer(comp: Component | None) -> dict[str, dict]:
-    """A GGUF source has no folder to carry files from: its tokenizer.json and tokenizer_config.json are
-    rebuilt from its metadata, as `qconv dequantize` of it writes them ({} for any other source)."""
-    if comp is None or not comp.path.is_file() or comp.path.suffix == ".safetensors":
-        return {}
-    from ..formats.gguf import arch as garch
-    from ..formats.gguf.header import looks_like_gguf
-    from ..formats.gguf.source import full_metadata
-
-    return garch.tokenizer_files(full_metadata(comp.path), comp.path) if looks_like_gguf(comp.path) else {}
+            "copied": [rel for _, rel in carried.files] + sorted(made), "left_out": carried.left_out}
 
 
 def _output_folder(tmp: Path, comp: Component) -> Path:

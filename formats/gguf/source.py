@@ -12,6 +12,7 @@ first file as one model (split.read_gguf: every file checked first), each tensor
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +102,12 @@ def rope_factors(t):
     return np.frombuffer(raw, "<f4").copy()
 
 
+def tokenizer_docs(path: Path) -> dict[str, dict]:
+    """tokenizer.json and tokenizer_config.json rebuilt from a GGUF's metadata, as `qconv dequantize`
+    writes them: what a folder converted from the GGUF gets (Component.made_files)."""
+    return garch.tokenizer_files(full_metadata(path), path)
+
+
 def open_gguf(path: Path) -> Component:
     path = Path(path)
     g = open_checked(path)
@@ -132,4 +139,5 @@ def open_gguf(path: Path) -> Component:
                 order[name] = heads
     config["quantization_config"] = {"quant_method": "gguf", "ggml_types": types, "row_order": order}
     return Component(name=path.name, path=path, files=header.files or (path,), headers={}, tensors=tensors,
+                     made_files=functools.partial(tokenizer_docs, path),
                      config=config)

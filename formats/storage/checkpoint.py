@@ -20,7 +20,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ...errors import CorruptCheckpoint, InputNotFound, UnsupportedFormat
 from .safetensors_header import Header, TensorInfo, file_kind, open_regular, read_header
@@ -119,6 +119,9 @@ class Component:
     root: SourceRoot | None = None           # where its files may live (None: a single file)
     # tensors stored in a second shard besides the one the index maps them to: (name, mapped, other)
     duplicates: tuple[tuple[str, str, str], ...] = ()
+    # a container with no folder to carry files from (a GGUF): () -> {file name: JSON document} a folder
+    # written from it gets (its tokenizer.json / tokenizer_config.json); picklable, for --jobs workers
+    made_files: Callable[[], Mapping[str, object]] | None = None
 
     @property
     def bytes_on_disk(self) -> int:
