@@ -226,6 +226,8 @@ def dequantize_block(qt: QuantTensor, r0: int, r1: int, device):
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
     inp, rows = qt.shape[1], r1 - r0
+    if qt.spec.scheme == "float":                   # decoded weights (FloatWeight): the values travel
+        return dev(qt.values[r0:r1])
     if not qt.spec.flat:
         codes = qt.codes[r0:r1]
         if codes.flags.c_contiguous:
@@ -294,6 +296,8 @@ def settle_by_codes(qa: QuantTensor | None, qb: QuantTensor | None, w_rel: float
     product leaves float32's normal range. None otherwise: the float comparison decides, weight by
     weight, and names the first one off."""
     if qa is None or qb is None or qa.shape != qb.shape or qa.spec.scheme != qb.spec.scheme:
+        return None
+    if qa.spec.scheme == "float":                   # decoded weights (FloatWeight): no codes to compare
         return None
     if qa.product_dtype != qb.product_dtype:        # one side rounds its products, the other does not
         return None

@@ -33,7 +33,7 @@ from ..formats.storage.checkpoint import Component
 from ..formats.core.registry import AUTO_ROUND_AWQ_TARGET, ModuleContext, WriteContext, family as registered_family, target as registered_target, targets as registered_targets
 from ..formats.core.detect import METHOD_NAMES, Detection
 from ..formats.bnb.codec import STORAGE_CODES, scb_from_scales as _scb_from_scales  # noqa: F401 (tests import it here)
-from ..formats.core.ir import QuantSpec, QuantTensor
+from ..formats.core.ir import FloatSpec, FloatWeight, QuantSpec, QuantTensor
 from ..formats.core.minifloat import BOOKS
 from ..formats.core.layout import QuantModule, examples, natural_key
 from ..formats.core.experts import is_fused_name, split_module, why_not_split
@@ -120,29 +120,6 @@ class Tally:
                 "max_rel_frobenius": max((r["rel_frobenius"] for r in layers), default=0.0),
                 "sq_error_vs_rtn": round(sq / rtn, 4) if rtn else None, "layers": layers,
                 "v1_zero_points": sorted((n for st in self.of.values() for n in st.v1_zero), key=natural_key)}
-
-
-@dataclass(frozen=True)
-class FloatSpec:
-    """What stands in for a QuantSpec when the source module is an unquantized float weight: the target
-    spec rules read only its scheme, name and (absent) group size."""
-    name: str                        # "float16", "bfloat16", "float32"
-    scheme: str = "float"
-    group_size: int | None = None
-    scale_divisor: int = 1
-
-
-@dataclass(frozen=True)
-class FloatWeight:
-    """An unquantized Linear weight to quantize data-free: the lossy encoders need only its spec,
-    shape, dtype and values."""
-    spec: FloatSpec
-    shape: tuple[int, int]
-    dtype: str
-    values: np.ndarray               # float32 [out, in]
-
-    def dequantize(self) -> np.ndarray:
-        return self.values
 
 
 _ROUTERS = ("gate", "router", "shared_expert_gate")
@@ -289,7 +266,7 @@ def _negotiate(m: QuantModule, src, opts: Options, where, caps) -> tuple[int, in
     why the codes cannot be kept (None: they are)."""
     codebook = src.scheme != "int"
     inp = m.in_features
-    bits = opts.bits or (4 if codebook else src.bits)
+    bits = opts.bits or (src.bits if src.scheme in ("int", "float") else 4)
     if caps is not None and bits not in caps.bits:
         if opts.bits or caps.fallback_bits is None:
             raise UsageError(f"{opts.to} stores {', '.join(map(str, sorted(caps.bits)))}-bit codes, not "
@@ -331,7 +308,7 @@ def _negotiate(m: QuantModule, src, opts: Options, where, caps) -> tuple[int, in
         sym = True
     reason = None
     if src.scheme == "float":
-        reason = f"{src.name} weights quantized data-free (no calibration data)"
+        reason = src.requantized()
     elif codebook:
         reason = f"{src.name} codes are not integers"
     elif bits != src.bits:
@@ -599,7 +576,7 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
         fused = sorted({m.details["rows_of"][0].name for m in views}, key=natural_key)
         summary["experts_split"] = {"fused_tensors": len(fused), "modules": len(views), "examples": fused[:2]}
     return {"component": comp.name, "from": det.method, "to": opts.to, "search": opts.search, **summary, **written,
-            "warnings": list(det.warnings) + _v1_zero_warning(summary["v1_zero_points"])
+            "warnings": list(comp.warnings) + list(det.warnings) + _v1_zero_warning(summary["v1_zero_points"])
             + _activation_warning(modules, p.outputs, opts)}
 
 
@@ -677,6 +654,8 @@ def _source_spec(comp, det: Detection, m: QuantModule, src_dtype: str) -> QuantS
     """The source module's spec without decoding its data (from headers and config)."""
     if m.family == "float":
         return FloatSpec(m.scheme)
+    if m.details.get("float_spec") is not None:   # a stored type with no exact form here (GGUF's K-quants)
+        return FloatSpec(**m.details["float_spec"])
     if m.family == "bnb8":
         return QuantSpec("int", 8, -1, True, scale_divisor=127)
     if m.scheme in BOOKS:                       # every FP8 / FP4 dialect (layout.QuantModule details)

@@ -118,7 +118,7 @@ def dequantize_component(comp: Component, out_dir: Path, dtype: str | None, max_
     written = write_component(comp, out_dir, plan, config, max_shard, f"dequantizing {comp.name}", jobs=jobs,
                               replan=Replan(_replan, (FLOAT_CODES[target],)))
     return {"component": comp.name, "method": det.method, "dtype": target,
-            "dequantized_modules": len(det.modules), **written, "warnings": list(det.warnings)}
+            "dequantized_modules": len(det.modules), **written, "warnings": list(comp.warnings) + list(det.warnings)}
 
 
 def dequantize(src: Path, dst: Path, *, dtype: str | None = None, overwrite: bool = False,

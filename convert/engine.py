@@ -13,7 +13,7 @@ import shutil
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -61,7 +61,11 @@ def ordered(fn, items, depth: int = 4):
 
 
 def plain_chunks(info: TensorInfo, dtype: str):
-    """A stored tensor, slab by slab, cast to ``dtype`` when both are floating point."""
+    """A stored tensor, slab by slab, cast to ``dtype`` when both are floating point (a decoded one,
+    TensorInfo.decode, decoded straight into it: one rounding)."""
+    if info.decode is not None and info.dtype in FLOAT_DTYPES and dtype in FLOAT_DTYPES:
+        info = replace(info, dtype=dtype)
+
     def cast(data):
         return convert_float(data, info.dtype, dtype) if info.dtype in FLOAT_DTYPES and dtype != info.dtype else data
 

@@ -51,13 +51,13 @@ def _rows(t, hf_name: str, config: dict, code: str, permute: bool, shape: tuple,
         data = np.frombuffer(raw, np.uint8)
         qtype = gguf.GGMLQuantizationType(t.type)
         if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16):
-            w = gguf.quants.dequantize(data.view({0: np.float32, 1: np.float16, 30: np.uint8}[t.type])
-                                       if t.type != 30 else data, qtype)
-        else:
-            w = gguf.quants.dequantize(data.reshape(-1, nbytes // max(1, int(np.prod(shape[:-1])))), qtype)
-        w = np.asarray(w, np.float32).reshape(shape)
-        if not np.all(np.isfinite(w)):
-            raise CorruptCheckpoint("decodes to non-finite weights (NaN or infinity)", file=t.file, tensor=t.name)
+            w = np.asarray(gguf.quants.dequantize(data.view({0: np.float32, 1: np.float16, 30: np.uint8}[t.type])
+                                                  if t.type != 30 else data, qtype), np.float32).reshape(shape)
+            if not np.all(np.isfinite(w)):
+                raise CorruptCheckpoint("decodes to non-finite weights (NaN or infinity)", file=t.file, tensor=t.name)
+        else:                                         # every block type, as convert reads them (codec.decode_float)
+            w = codec.decode_float(data.reshape(-1, nbytes // max(1, int(np.prod(shape[:-1])))), t.type_name,
+                                   t).reshape(shape)
         if heads:
             w = codec.unpermute_rows(w, heads)
         yield encode_float(np.ascontiguousarray(w), code)

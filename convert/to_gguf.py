@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -111,12 +111,15 @@ def _natural_type(comp, det, m: QuantModule, opts: Options, src_dtype: str) -> t
     """(GGUF type, reason its codes are not kept) of one module (codec.gguf_type, then --bits)."""
     where = comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else comp.path
     src_spec = _source_spec(comp, det, m, src_dtype)
-    if m.family == "float":
+    if _own_blocks(m, opts):                          # a GGUF source's K-quant / IQ / Q4_1 ...: copied as it is
+        return m.details["ggml_type"], None
+    if src_spec.scheme == "float":
         if m.in_features % codec.QK:
             raise UnsupportedFormat(f"{m.in_features} input features are not a multiple of GGUF's 32-weight "
                                     f"blocks; use --gguf-float to keep it float", file=where, tensor=m.name)
-        type_name = "Q4_0" if opts.bits == 4 else "Q8_0"
-        reason = f"{src_spec.name} weights quantized data-free (no calibration data)"
+        # data-free: Q8_0 (llama.cpp's converter's q8_0); decoded GGUF blocks: their FloatSpec's bits
+        type_name = "Q4_0" if (opts.bits or (src_spec.bits if src_spec.origin else 8)) == 4 else "Q8_0"
+        reason = src_spec.requantized()
     else:
         type_name, reason = codec.gguf_type(src_spec, m.in_features, opts.gguf_asym, _g_idx(comp, m))
         if type_name is None and not opts.gguf_float:
@@ -144,6 +147,8 @@ def _module_out(comp, det, m: QuantModule, opts: Options, arch, name: str, src_d
             type_name, reason = "Q8_0", f"{reason or f'its type {type_name}'}, stored as Q8_0 (--gguf-float-type q8_0)"
     if as_float:                                      # stored as float
         return _dequantized_out(comp, det, m, name, src_dtype, heads, opts)
+    if _own_blocks(m, opts) and type_name == m.details["ggml_type"]:
+        return _raw_out(comp.tensors[m.weight_tensors[0]], name, type_name, m.name, tally)
     out, inp = m.out_features, m.in_features
     row = codec.row_bytes(type_name, inp)
 
@@ -177,6 +182,27 @@ def _module_out(comp, det, m: QuantModule, opts: Options, arch, name: str, src_d
         yield blocks
 
     return _Out(name, type_name, (out, row), np.uint8, out * row, chunks, m.name, kept=not reason)
+
+
+def _own_blocks(m: QuantModule, opts: Options) -> bool:
+    """A GGUF source's block tensor of a type qconv keeps no codes of (header.float_spec), which GGUF ->
+    GGUF copies byte for byte (its rows are already in llama.cpp's order), unless --bits or --gguf-float
+    asks for another type."""
+    return m.family == "gguf" and "float_spec" in m.details and opts.bits is None and not opts.gguf_float
+
+
+def _raw_out(info, name: str, type_name: str, source: str, tally: Tally | None) -> _Out:
+    """A GGUF source's block tensor as its stored bytes, in its own type (a module's: counted as one whose
+    codes are kept)."""
+    rows = info.shape[0]
+    stored = replace(info, dtype="U8", shape=(rows, info.nbytes // max(rows, 1)), decode=None)
+
+    def chunks():
+        if tally is not None:
+            tally.add(source, Stats(modules=1))
+        yield from plain_chunks(stored, "U8")
+
+    return _Out(name, type_name, stored.shape, np.uint8, info.nbytes, chunks, source, kept=True)
 
 
 def _dequantized_out(comp, det, m: QuantModule, name: str, src_dtype: str, heads: int | None,
@@ -222,10 +248,15 @@ def _float_q8_0(info, name: str, heads: int | None, opts: Options, tally: Tally)
     return _Out(name, "Q8_0", (out, row), np.uint8, out * row, chunks, info.name, kept=False)
 
 
-def _float_out(comp: Component, info, arch, n_blocks: int, where, opts: Options, tally: Tally) -> _Out | None:
+def _float_out(comp: Component, info, arch, n_blocks: int, where, opts: Options, tally: Tally,
+               decoded: Mapping) -> _Out | None:
     name = garch.gguf_name(info.name, arch, n_blocks, where)
     if name is None:
         return None
+    if info.name in decoded:                          # a GGUF source's block-typed embeddings: as they are,
+        if opts.gguf_float_type == "auto":
+            return _raw_out(info, name, decoded[info.name], info.name, None)
+        info = replace(info, dtype="F32")             # or their exact decoding, rounded once to the type asked
     if info.dtype not in _FLOAT_GGML:
         raise UnsupportedFormat(f"is {info.dtype}, which qconv does not write to GGUF as it is", file=info.file,
                                 tensor=info.name)
@@ -405,7 +436,7 @@ def plan(comp: Component, opts: Options, tally: Tally) -> tuple[object, list[_Ou
     fused = {m.details["rows_of"][0].name for m in modules if "rows_of" in m.details}
     for name, info in sorted(comp.tensors.items(), key=lambda kv: natural_key(kv[0])):
         if name not in claimed and not _expert_bias(comp, info, fused):
-            o = _float_out(comp, info, arch, n_blocks, info.file, opts, tally)
+            o = _float_out(comp, info, arch, n_blocks, info.file, opts, tally, (det.qc or {}).get("decoded") or {})
             if o is not None:
                 outs.append(o)
     outs.sort(key=lambda o: natural_key(o.source))
@@ -428,7 +459,7 @@ def _file_type(outs: list[_Out]) -> int:
         if o.kept is not None:
             weights[o.type_name] = weights.get(o.type_name, 0) + o.nbytes
     top = max(sorted(weights), key=weights.get) if weights else "F16"
-    return codec.FTYPE[top]
+    return codec.FTYPE.get(top, codec.FTYPE_GUESSED)
 
 
 def _add(writer, key: str, kind, value) -> None:
@@ -491,7 +522,7 @@ def write(comp: Component, path: Path, opts: Options, max_shard: int, jobs: int 
     writer.add_string("general.quantized_by", "qconv")
     for o in outs:
         raw = getattr(gguf.GGMLQuantizationType, o.type_name)
-        if o.type_name in codec.TYPES:
+        if o.type_name not in _FLOAT_GGML:             # block types: [rows, row bytes]
             writer.add_tensor_info(o.name, o.shape, np.dtype(np.uint8), o.nbytes, raw_dtype=raw)
         elif o.type_name == "BF16":
             writer.add_tensor_info(o.name, o.shape, np.dtype(np.uint16), o.nbytes, raw_dtype=raw)
@@ -650,6 +681,8 @@ def _mismatch(comp, det, modules, part: str, got: np.ndarray, entry: dict, error
         heads = garch.heads_of(comp.config, part + ".weight") if permute else None
     else:
         info = comp.tensors[part]
+        if info.decode is not None:                   # a GGUF source's block-typed tensor: its exact decoding
+            info = replace(info, dtype="F32")
         ref = to_float32(read_array(info), info.dtype)
         heads = garch.heads_of(comp.config, part) if permute else None
     got = got.reshape(ref.shape)

@@ -1,7 +1,9 @@
 """A GGUF file as a source of convert and validate (formats/gguf/source.py, the "gguf" family): Q8_0,
-Q4_0, Q5_0 and MXFP4 blocks keep their codes into every target, GGUF -> GGUF gives every tensor back byte
-for byte, and `qconv validate` pairs a Hugging Face folder with a GGUF layer by layer. The GGUFs are
-qconv's own from the producers' fixtures (llama.cpp reads and runs them: tests/test_llamacpp.py)."""
+Q4_0, Q5_0 and MXFP4 blocks keep their codes into every target, other block types (gguf-py's own Q5_1
+here; llama.cpp's K-quants in tests/test_llamacpp.py) are requantized from their decoding with the error
+reported, GGUF -> GGUF gives every tensor back byte for byte, and `qconv validate` pairs a Hugging Face
+folder with a GGUF layer by layer. The GGUFs are qconv's own from the producers' fixtures (llama.cpp reads
+and runs them: tests/test_llamacpp.py)."""
 
 import json
 
@@ -68,19 +70,74 @@ def test_validate_pairs_a_folder_with_a_gguf(tmp_path):
     run_qconv("validate", "--tol", "0.2", CHECKPOINTS / "llama-gptq-w4g128-actorder", lossy, check=0)
 
 
-def test_what_a_gguf_source_cannot_give_is_refused_by_name(tmp_path):
-    """Block types with no exact form here (Q5_1, written by gguf-py's own quantizer) and block-typed
-    embeddings are refused by convert, naming `qconv dequantize`, which reads them; nothing is written."""
-    src = gguf_of("llama-gptq-w8g128", tmp_path / "m.gguf")
-    requantize_gguf(src, tmp_path / "q51.gguf", lambda name, kind: name == "blk.1.ffn_up.weight")
-    one_error(run_qconv("convert", tmp_path / "q51.gguf", tmp_path / "out", "--to", "gptq"), 5,
-              "model.layers.1.mlp.up_proj", "Q5_1", "qconv dequantize")
-    # llama's q / k in float: their rows are in llama.cpp's rotary order, which only dequantize undoes
+def _hf_rows(name, w):
+    """A GGUF tensor's rows in Hugging Face order (llama's q / k: the rotary permutation undone, per head
+    of the fixtures' 4 query and 2 key-value heads)."""
+    if name.endswith(("attn_q.weight", "attn_k.weight")):
+        rows, heads = w.shape[0], 4 if name.endswith("attn_q.weight") else 2
+        return w.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+    return w
+
+
+HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+      "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def test_types_with_no_exact_form_are_requantized_from_their_decoding(tmp_path):
+    """A GGUF whose layer-1 Linears gguf-py's own quantizer wrote as Q5_1 (a type whose float minimum no
+    integer zero point holds) and whose embeddings and lm_head are Q8_0 blocks: convert --to gptq keeps
+    layer 0's Q8_0 codes, requantizes layer 1 from gguf-py's decoding (8-bit, groups of 32: Q5_1 is 6 bits a
+    weight) and reports each layer's error, which is the error of the written weights against that
+    decoding; the embeddings and lm_head become float16 tensors of their decoding, with a warning; the
+    result validates, and GGUF -> GGUF gives the file back byte for byte."""
+    src = gguf_of("llama-gptq-w8g128", tmp_path / "m.gguf", "--gguf-float-type", "q8_0")
+    decoded = requantize_gguf(src, tmp_path / "q51.gguf", lambda name, kind: name.startswith("blk.1.") and kind == "Q8_0")
+    assert len(decoded) == 7
+    proc = run_qconv("convert", "--json", "--validate", tmp_path / "q51.gguf", tmp_path / "out", "--to", "gptq", check=0)
+    (comp,) = json.loads(proc.stdout)["components"]
+    assert comp["codes_kept"] == 7 and comp["requantized"] == 7 and comp["validation"]["ok"]
+    assert any("lm_head.weight: Q8_0, model.embed_tokens.weight: Q8_0" in w for w in comp["warnings"])
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert (qc["bits"], qc["group_size"]) == (8, 32)
+    run_qconv("dequantize", tmp_path / "out", tmp_path / "float", "--dtype", "float32", check=0)
+    out = load_file(tmp_path / "float" / "model.safetensors")
+    errors = {r["module"]: r for r in comp["layers"]}
+    for name, ref in decoded.items():
+        module = f"model.layers.1.{HF[name.split('.')[2]]}"
+        assert errors[module]["reason"] == "GGUF Q5_1 holds no codes qconv keeps: quantized from its decoded weights"
+        ref = _hf_rows(name, ref.astype(np.float64))
+        got = out[module + ".weight"].numpy().astype(np.float64)
+        rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert 0 < rel < 0.02 and rel == pytest.approx(errors[module]["rel_frobenius"], rel=1e-4, abs=1e-6), module
+    reader = {t.name: t for t in gguf.GGUFReader(src).tensors}
+    plain = load_file(tmp_path / "out" / "model.safetensors")
+    for gname, hf in (("token_embd.weight", "model.embed_tokens.weight"), ("output.weight", "lm_head.weight")):
+        t = reader[gname]
+        assert t.tensor_type.name == "Q8_0"
+        want = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float16)
+        assert plain[hf].dtype == torch.float16 and np.array_equal(plain[hf].numpy(), want), hf
+    run_qconv("convert", tmp_path / "q51.gguf", tmp_path / "back.gguf", "--to", "gguf", check=0)
+    assert (tmp_path / "back.gguf").read_bytes() == (tmp_path / "q51.gguf").read_bytes()
+
+
+def test_a_float_gguf_converts_as_its_float_folder(tmp_path):
+    """llama's float q / k are stored in llama.cpp's rotary row order; read back in Hugging Face order, a
+    float16 GGUF of llama-fp16 quantizes data-free to exactly the tensors the folder itself gives (its
+    norms as llama.cpp stores them, float32, of the same values), and GGUF -> GGUF with --gguf-float gives
+    it back byte for byte."""
     f16 = gguf_of("llama-fp16", tmp_path / "f16.gguf", "--gguf-float")
-    one_error(run_qconv("convert", f16, tmp_path / "out", "--to", "gptq"), 5, "attn_k.weight", "qconv dequantize")
-    assert not (tmp_path / "out").exists()
-    run_qconv("dequantize", tmp_path / "q51.gguf", tmp_path / "float", check=0)
-    run_qconv("convert", tmp_path / "float", tmp_path / "out", "--to", "gptq", "--bits", "8", check=0)
+    run_qconv("convert", "--validate", f16, tmp_path / "from-gguf", "--to", "gptq", check=0)
+    run_qconv("convert", CHECKPOINTS / "llama-fp16", tmp_path / "from-folder", "--to", "gptq", check=0)
+    a = load_file(tmp_path / "from-gguf" / "model.safetensors")
+    b = load_file(tmp_path / "from-folder" / "model.safetensors")
+    assert set(a) == set(b)
+    for name, t in b.items():
+        if name.endswith("norm.weight"):
+            assert a[name].dtype == torch.float32 and torch.equal(a[name], t.float()), name
+        else:
+            assert a[name].dtype == t.dtype and torch.equal(a[name], t), name
+    run_qconv("convert", f16, tmp_path / "back.gguf", "--to", "gguf", "--gguf-float", check=0)
+    assert (tmp_path / "back.gguf").read_bytes() == f16.read_bytes()
 
 
 def test_a_split_gguf_converts_and_validates_as_its_unsplit_file(tmp_path):

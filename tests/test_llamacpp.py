@@ -14,7 +14,9 @@ model by 0.012 to 0.046 (Q4_1's float16 minimum the largest; llama, qwen2, qwen3
 (--gguf-float-type q8_0), float GGUFs by 0.0004 (F32) to 0.0044, gpt-oss-layout MXFP4
 experts kept (qwen3moe-mxfp4-gptoss, against its oracle logits: ORACLE_REFERENCE) by 0.009 (the same file
 with gate and up swapped: 0.32), the VL text decoders against transformers' Qwen3-VL / Qwen2.5-VL on text
-by 0.010 / 0.009, llama-3's rope scaling by 0.017 (0.042 with its factors set to 1); a layout error (llama's q / k rows left in Hugging Face order in ONE
+by 0.010 / 0.009, llama-3's rope scaling by 0.017 (0.042 with its factors set to 1), llama.cpp's own Q4_K_M / Q6_K files
+(its quantizer's) against transformers on qconv's reading of them by 0.019 / 0.015, and against
+transformers on the GPTQ 8-bit model qconv converts them to by 0.022 / 0.031; a layout error (llama's q / k rows left in Hugging Face order in ONE
 tensor kind, the negative control) by 0.70, with 6 of 12 top-1 tokens changed. TOLERANCE = 0.1 lies
 2x above the worst legitimate difference and 7x below the control.
 """
@@ -162,7 +164,7 @@ def unpermuted_copy(path, dst):
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("llamacpp")
-    files, refs = {}, {}
+    files, refs, converted = {}, {}, {}
     for case, src, args, kept in CASES:
         files[case] = tmp / f"{case}.gguf"
         run_qconv("convert", source(src, tmp), files[case], "--to", "gguf", *args, check=0)
@@ -185,21 +187,33 @@ def report(tmp_path_factory):
         assert proc.returncode == 0, proc.stderr[-2000:]
         run_qconv("dequantize", files[kind], tmp / f"{kind}-float", check=0)
         refs[kind] = float_logits(tmp / f"{kind}-float")
+        # converted by qconv: GGUF -> GGUF copies its blocks as they are; --to gptq requantizes them (8-bit)
+        # from gguf-py's decoding, and llama.cpp's logits on the original file are compared with that model's
+        files[f"{kind}-copy"] = tmp / f"{kind}-copy.gguf"
+        run_qconv("convert", "--validate", files[kind], files[f"{kind}-copy"], "--to", "gguf", check=0)
+        proc = run_qconv("convert", "--json", "--validate", files[kind], tmp / f"{kind}-gptq", "--to", "gptq",
+                         "--bits", "8", check=0)
+        converted[kind] = json.loads(proc.stdout)["components"][0]
+        run_qconv("dequantize", tmp / f"{kind}-gptq", tmp / f"{kind}-gptq-float", check=0)
+        refs[f"{kind}-gptq"] = float_logits(tmp / f"{kind}-gptq-float")
+        files[f"{kind}-as-gptq"] = files[kind]
     out = tmp / "result.json"
     proc = subprocess.run([str(LLAMA_PYTHON), str(SCRIPT), "--ids", ",".join(map(str, IDS)), "--out", str(out),
-                           *map(str, files.values())], capture_output=True, text=True, timeout=1800,
+                           *dict.fromkeys(map(str, files.values()))], capture_output=True, text=True, timeout=1800,
                           stdin=subprocess.DEVNULL)
     assert out.is_file(), proc.stderr[-3000:]
     result = json.loads(out.read_text())
     sources = {case: src if kept else case for case, src, _, kept in CASES} | {"control-qk-order": "llama-gptq-w8g128",
                                                                              "control-rope-freqs": "llama-gptq-w8g128" + LLAMA3}
-    sources |= {kind: kind for kind in K_QUANTS}
+    sources |= {kind: kind for kind in K_QUANTS} | {f"{kind}-copy": kind for kind in K_QUANTS}
+    sources |= {f"{kind}-as-gptq": f"{kind}-gptq" for kind in K_QUANTS}
     table = {}
     for case, path in files.items():
         entry = result[str(path)]
         table[case] = entry if "logits" not in entry else {
             **compare(np.array(entry["logits"]), refs[sources[case]]), "arch": entry["arch"]}
     print(json.dumps({k: {kk: v for kk, v in e.items() if kk != "stderr"} for k, e in table.items()}, indent=1))
+    table["converted"] = {"paths": {case: str(path) for case, path in files.items()}, "reports": converted}
     return table
 
 
@@ -220,6 +234,27 @@ def test_llama_cpps_own_k_quants_read_back(kind, report):
     entry = report[kind]
     assert "error" not in entry, entry
     assert entry["max_abs_logprob_diff"] <= TOLERANCE and entry["real_flips"] == 0, entry
+
+
+@pytest.mark.parametrize("kind", K_QUANTS)
+def test_llama_cpps_own_k_quants_convert(kind, report):
+    """A file llama.cpp's quantizer wrote, converted by qconv. GGUF -> GGUF copies every tensor as it is
+    (the same types and bytes; llama.cpp runs the copy). --to gptq --bits 8 requantizes every Linear from
+    gguf-py's decoding of its K-quant blocks (the reason and error reported per layer, --validate passed),
+    writes the K-quant embeddings as float16 with a warning, and is the model llama.cpp computes on the
+    original file: transformers' logits of its float model agree with llama.cpp's."""
+    from test_gguf_source import tensors_of
+
+    paths, comp = report["converted"]["paths"], report["converted"]["reports"][kind]
+    assert tensors_of(paths[kind]) == tensors_of(paths[f"{kind}-copy"])
+    for case in (f"{kind}-copy", f"{kind}-as-gptq"):
+        entry = report[case]
+        assert "error" not in entry, entry
+        assert entry["max_abs_logprob_diff"] <= TOLERANCE and entry["real_flips"] == 0, (case, entry)
+    assert comp["requantized"] == comp["modules"] == 14 and comp["validation"]["ok"]
+    reasons = {r["reason"] for r in comp["layers"]}
+    assert reasons and all(r.startswith("GGUF Q") and r.endswith("quantized from its decoded weights") for r in reasons)
+    assert any("block-typed tensors outside the decoder layers" in w for w in comp["warnings"])
 
 
 def test_llama3_rope_factors_are_what_llama_cpp_applies(report):

@@ -319,7 +319,7 @@ def fit_4bit(quant_type: str, m: QuantModule, src, request, negotiate) -> tuple[
     spec = QuantSpec(quant_type, 4, blocksize, True, codebook=tuple(map(float, CODEBOOKS[quant_type])),
                      scale_dtype="F32", storage=storage)
     if src.scheme == "float":
-        return spec, f"{src.name} weights quantized data-free (no calibration data)"
+        return spec, src.requantized()
     if not same_book:
         return spec, f"{src.name} codes become {quant_type}"
     if blocksize != src.group_size:

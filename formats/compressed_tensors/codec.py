@@ -335,7 +335,7 @@ def fit_fp8(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str | N
         scale_dtype = _MODEL_SCALE.get(m.details.get("dtype"), "F16")
     spec = QuantSpec("e4m3", 8, group, True, codebook=E4M3_BOOK, scale_dtype=scale_dtype, block_rows=block_rows)
     if src.scheme == "float":
-        return spec, f"{src.name} weights quantized data-free to e4m3 (no calibration data)"
+        return spec, src.requantized(" to e4m3")
     if not e4m3:
         return spec, f"{src.name} codes become e4m3"
     if src.block_rows == 0 or (src.block_rows, src_group) == (block_rows, group):
@@ -495,7 +495,7 @@ def fit_nvfp4(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str |
     if src.scheme == "e2m1" and src.global_scale is not None and src.group_size == NVFP4_GROUP:
         return spec, None
     if src.scheme == "float":
-        return spec, f"{src.name} weights quantized data-free to NVFP4 (no calibration data)"
+        return spec, src.requantized(" to NVFP4")
     return spec, f"{src.name} codes become NVFP4"
 
 
@@ -661,7 +661,7 @@ def fit_mxfp4(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str |
     if src.scheme == "e2m1" and src.group_size == MXFP4_GROUP and src.global_scale is None and src.scale_dtype == "U8":
         return spec, None
     if src.scheme == "float":
-        return spec, f"{src.name} weights quantized data-free to MXFP4 (no calibration data)"
+        return spec, src.requantized(" to MXFP4")
     return spec, f"{src.name} codes become MXFP4"
 
 

@@ -204,3 +204,42 @@ class QuantTensor:
 
     def dequantize(self) -> np.ndarray:
         return self.dequantize_rows(0, self.shape[0])
+
+
+@dataclass(frozen=True)
+class FloatSpec:
+    """What stands in for a QuantSpec where a module's codes cannot be kept because there are none to
+    keep: an unquantized float weight (quantized data-free), or a stored type the canonical representation
+    has no exact form for (a GGUF K-quant, IQ or Q4_1 / Q5_1 block tensor: ``origin``), whose exact float
+    weights are requantized. The target spec rules read only its scheme, name, bits and group size."""
+    name: str                        # "float16", "bfloat16", "float32"; or the stored type ("Q4_K")
+    scheme: str = "float"
+    group_size: int | None = None    # a requantization's preferred group (None: the target's default)
+    scale_divisor: int = 1
+    bits: int = 4                    # a requantization's default bit width (--bits overrides it)
+    origin: str | None = None        # None: an unquantized weight; else where its weights were decoded from
+
+    def requantized(self, to: str = "") -> str:
+        """Why the module is quantized, for the report (``to``: " to e4m3", ...)."""
+        if self.origin is None:
+            return f"{self.name} weights quantized data-free{to} (no calibration data)"
+        return f"{self.origin} holds no codes qconv keeps: quantized{to} from its decoded weights"
+
+
+@dataclass(frozen=True, eq=False)
+class FloatWeight:
+    """A Linear weight with no codes to keep (FloatSpec): its exact float32 values, which the lossy
+    encoders requantize, and which dequantize and validate read as any QuantTensor's rows."""
+    spec: FloatSpec
+    shape: tuple[int, int]
+    dtype: str                       # the model's dtype
+    values: np.ndarray               # float32 [out, in], finite
+
+    def dequantize_rows(self, r0: int, r1: int) -> np.ndarray:
+        return self.values[r0:r1]
+
+    def dequantize(self) -> np.ndarray:
+        return self.values
+
+    def slab_rows(self, target_elements: int = 1 << 20) -> int:
+        return max(1, target_elements // max(self.shape[1], 1))

@@ -139,7 +139,7 @@ def fit(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str | None]
     block = request.block_size or ((src.block_rows, src.group_size) if same_kind else DEFAULT_BLOCK)
     spec = QuantSpec("e4m3", 8, block[1], True, codebook=E4M3_BOOK, scale_dtype="F32", block_rows=block[0])
     if src.scheme == "float":
-        return spec, f"{src.name} weights quantized data-free to e4m3 (no calibration data)"
+        return spec, src.requantized(" to e4m3")
     if src.scheme != "e4m3":
         return spec, f"{src.name} codes become e4m3"
     if (src.block_rows, src.group_size) != tuple(block):

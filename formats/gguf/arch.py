@@ -328,6 +328,11 @@ def tokenizer(folder: Path, config: Mapping, root) -> list[tuple[str, str, objec
 _BLOCK = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+def in_decoder_layers(hf_name: str) -> bool:
+    """Whether a Hugging Face tensor is in the numbered decoder layers (not embeddings, lm_head, norm)."""
+    return _BLOCK.match(hf_name) is not None
+
+
 @functools.lru_cache(maxsize=8)
 def _name_map(arch_name: str, n_blocks: int):
     """gguf-py's TensorNameMap for an architecture: built once (it enumerates every name of every block)."""

@@ -35,7 +35,12 @@ QK = 32
 # type name -> (ggml type id, bytes per 32-block): the block types written here, from header.GGML_TYPES
 TYPES = {name: (tid, size) for tid, (name, block, size) in GGML_TYPES.items()
          if name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "MXFP4")}
-FTYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "BF16": 32, "MXFP4": 38}  # llama_ftype
+# llama_ftype (llama.h) of the type most of a file's weight bytes are in; a GGUF source's other block types,
+# copied as they are, by the name llama.cpp's quantizer gives such a mix (Q4_K: Q4_K_M); else GUESSED
+FTYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 12,
+         "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20, "IQ3_XXS": 23, "IQ1_S": 24, "IQ4_NL": 25,
+         "IQ3_S": 26, "IQ2_S": 28, "IQ4_XS": 30, "IQ1_M": 31, "BF16": 32, "TQ1_0": 36, "TQ2_0": 37, "MXFP4": 38}
+FTYPE_GUESSED = 1024
 
 
 def row_bytes(type_name: str, inp: int) -> int:
@@ -216,9 +221,25 @@ def row_step(m) -> int:
     return m.out_features if m.details.get("heads") else 1
 
 
-def read(m, tensors, qc, dtype: str, rows: tuple[int, int] | None = None) -> QuantTensor:
+def decode_float(blocks: np.ndarray, type_name: str, info) -> np.ndarray:
+    """uint8 [rows, row bytes] of any ggml block type -> float32 [rows, in], decoded by llama.cpp's own
+    reference decoder (gguf-py's quants.dequantize: K-quants, IQ types, Q4_1, ...); a weight that decodes
+    to NaN or infinity is refused, naming the tensor."""
+    import gguf
+
+    from ...errors import CorruptCheckpoint
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        w = np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name]), np.float32)
+    if not np.all(np.isfinite(w)):
+        raise CorruptCheckpoint("decodes to non-finite weights (NaN or infinity)", file=info.file, tensor=info.name)
+    return w.reshape(blocks.shape[0], -1)
+
+
+def read(m, tensors, qc, dtype: str, rows: tuple[int, int] | None = None):
     """A GGUF source's module (or rows r0:r1 of it) as a QuantTensor, llama's q / k rows back in Hugging
-    Face order."""
+    Face order; a type with no exact form here (header.float_spec) as its decoded weights (a FloatWeight)."""
+    from ..core.ir import FloatSpec, FloatWeight
     from ..storage.tensor_io import read_array
 
     info = tensors[m.weight_tensors[0]]
@@ -228,4 +249,8 @@ def read(m, tensors, qc, dtype: str, rows: tuple[int, int] | None = None) -> Qua
         blocks = unpermute_rows(read_array(info), heads)[r0:r1]
     else:
         blocks = read_array(info, rows=None if rows is None else (r0, r1))
+    spec = m.details.get("float_spec")
+    if spec is not None:
+        return FloatWeight(FloatSpec(**spec), (r1 - r0, m.in_features), dtype,
+                           decode_float(blocks, m.details["ggml_type"], info))
     return decode(blocks, m.details["ggml_type"], dtype)

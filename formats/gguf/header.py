@@ -511,13 +511,24 @@ def _count(value) -> int | None:
 # ---------------------------------------------------------------------------------------------
 # The "gguf" family (formats/core/registry.py): modules of a GGUF opened as a source (source.py)
 
-# block types qconv's canonical representation holds exactly: (scheme, bits); others decode only to float
+# block types qconv's canonical representation holds exactly: (scheme, bits); the others (K-quants, IQ
+# types, Q4_1 / Q5_1: sub-block scales, float minimums) are read as their exact float weights, decoded by
+# gguf-py (codec.read), which convert requantizes with the error reported (a FloatSpec, formats/core/ir.py)
 EXACT_TYPES = {"Q8_0": ("int8", 8), "Q4_0": ("int4", 4), "Q5_0": ("int5", 5), "MXFP4": ("e2m1", 4)}
 
 
+def float_spec(type_name: str, type_id: int) -> dict:
+    """The FloatSpec fields of a block type qconv keeps no codes of: requantized by default to 4 bits
+    below 5.5 bits a weight (Q4_K, Q4_1, Q3_K, IQ4_XS, ...), else to 8 (Q5_K, Q5_1, Q6_K), in groups of 32
+    (ggml's blocks and K-quants' sub-blocks); --bits / --group-size override both."""
+    return {"name": type_name, "origin": f"GGUF {type_name}", "group_size": 32,
+            "bits": 4 if bits_per_weight(type_id) < 5.5 else 8}
+
+
 def find_modules(tensors: Mapping, qc: Mapping | None) -> list:
-    """One module per block tensor of a GGUF source (its quantization_config's ggml_types), from
-    headers alone."""
+    """One module per block tensor of a GGUF source's decoder layers (its quantization_config's
+    ggml_types), from headers alone; embeddings and lm_head stored as blocks are float tensors decoded
+    when read (source.py), as the folder formats keep them."""
     from ..core.layout import QuantModule
 
     types = (qc or {}).get("ggml_types") or {}
@@ -525,13 +536,15 @@ def find_modules(tensors: Mapping, qc: Mapping | None) -> list:
     out = []
     for name, type_name in types.items():
         info = tensors.get(name)
-        entry = next((v for v in GGML_TYPES.values() if v[0] == type_name), None)
+        entry = next(((tid, v) for tid, v in GGML_TYPES.items() if v[0] == type_name), None)
         if info is None or entry is None or not name.endswith(".weight"):
             continue
-        _, block, size = entry
+        tid, (_, block, size) = entry
         rows, row_bytes = info.shape
         scheme, bits = EXACT_TYPES.get(type_name, (type_name.lower(), 0))
         details = {"ggml_type": type_name, "scales_dtype": "U8" if type_name == "MXFP4" else "F16"}
+        if type_name not in EXACT_TYPES:
+            details["float_spec"] = float_spec(type_name, tid)
         if name in order:
             details["heads"] = int(order[name])
         out.append(QuantModule(name[: -len(".weight")], "gguf", scheme, bits, rows, row_bytes // size * block,
@@ -540,17 +553,8 @@ def find_modules(tensors: Mapping, qc: Mapping | None) -> list:
 
 
 def check(m, tensors: Mapping, qc: Mapping | None) -> None:
-    """A module whose ggml type has no exact form in the canonical representation (K-quants, IQ types,
-    Q4_1's float minimum) is refused for convert and validate; dequantize decodes every type."""
-    if not m.name.startswith("model.layers."):
-        raise UnsupportedFormat(f"is stored as {m.details['ggml_type']} outside the decoder layers (embeddings or "
-                                f"lm_head), which the formats convert writes keep in float; `qconv dequantize` "
-                                f"decodes it to float, which convert then takes",
-                                file=tensors[m.weight_tensors[0]].file, tensor=m.name)
-    if m.details["ggml_type"] not in EXACT_TYPES:
-        raise UnsupportedFormat(f"is {m.details['ggml_type']}, which qconv keeps no codes of (it converts "
-                                f"{', '.join(EXACT_TYPES)}); `qconv dequantize` decodes it to float, which convert "
-                                f"then takes", file=tensors[m.weight_tensors[0]].file, tensor=m.name)
+    """Every block type is read: exactly (EXACT_TYPES) or as its decoded float weights (float_spec)."""
+    return None
 
 
 def settings(qc: Mapping | None, modules: list) -> dict:

@@ -26,6 +26,7 @@ from .split import read_gguf
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ROPE_FREQS = "rope_freqs.weight"                  # llama-3's rope scaling, as llama.cpp's converter writes it
 _MODEL_DTYPES = {"BF16": "bfloat16", "F16": "float16"}
+_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
 def full_metadata(path: Path) -> dict:
@@ -112,7 +113,7 @@ def open_gguf(path: Path) -> Component:
     path = Path(path)
     g = open_checked(path)
     header, config, arch = g.header, g.config, g.arch
-    tensors, types, order = {}, {}, {}
+    tensors, types, order, decoded = {}, {}, {}, {}
     for t in header.tensors:
         if t.name not in g.names:                     # rope_freqs: in the config
             continue
@@ -124,20 +125,69 @@ def open_gguf(path: Path) -> Component:
         else:
             parts = [(hf, shape, t.offset, t.nbytes)]
         heads = garch.heads_of(config, hf) if arch.permute_qk else None
+        if t.type_name not in FLOAT_TYPES and not garch.in_decoder_layers(hf):
+            tensors[hf] = _decoded_tensor(t, hf, shape, _CODES[config["dtype"]])
+            decoded[hf] = t.type_name
+            continue
         for name, shp, offset, nbytes in parts:
-            if t.type_name in FLOAT_TYPES:
-                if heads:
-                    raise UnsupportedFormat(f"llama's q / k rows in llama.cpp's rotary order, stored as {t.type_name}: "
-                                            f"only `qconv dequantize` puts float ones back; dequantize this file "
-                                            f"first", file=t.file, tensor=t.name)
-                tensors[name] = TensorInfo(name, t.type_name, shp, t.file, offset, nbytes)
+            if t.type_name in FLOAT_TYPES:            # llama's float q / k: rows put back when read
+                tensors[name] = TensorInfo(name, t.type_name, shp, t.file, offset, nbytes,
+                                           decode=functools.partial(unpermuted_rows, heads, t.type_name) if heads else None)
                 continue
             rows = shp[0] if len(shp) > 1 else 1
             tensors[name] = TensorInfo(name, "U8", (rows, nbytes // max(rows, 1)), t.file, offset, nbytes)
             types[name] = t.type_name
             if heads:
                 order[name] = heads
-    config["quantization_config"] = {"quant_method": "gguf", "ggml_types": types, "row_order": order}
+    config["quantization_config"] = {"quant_method": "gguf", "ggml_types": types, "row_order": order,
+                                     "decoded": decoded}
+    warnings = (f"{len(decoded)} block-typed tensors outside the decoder layers "
+                f"({', '.join(f'{n}: {k}' for n, k in decoded.items())}) are read as {config['dtype']}, decoded as "
+                f"`qconv dequantize` decodes them (the folder formats keep them float)",) if decoded else ()
     return Component(name=path.name, path=path, files=header.files or (path,), headers={}, tensors=tensors,
-                     made_files=functools.partial(tokenizer_docs, path),
+                     made_files=functools.partial(tokenizer_docs, path), warnings=warnings,
                      config=config)
+
+
+def _decoded_tensor(t, hf: str, shape: tuple, code: str) -> TensorInfo:
+    """A block-typed tensor outside the decoder layers (llama.cpp's Q4_K / Q6_K / Q8_0 token_embd and
+    output) as the float tensor the folder formats keep: its stored bytes, decoded when read."""
+    if len(shape) != 2:
+        raise UnsupportedFormat(f"is {t.type_name} with shape {list(shape)}: qconv reads block-typed tensors outside "
+                                f"the decoder layers only as 2-D weights", file=t.file, tensor=t.name)
+    return TensorInfo(hf, code, shape, t.file, t.offset, t.nbytes,
+                      decode=functools.partial(decoded_rows, t.type_name, t.name))
+
+
+def decoded_rows(type_name: str, gguf_name: str, info: TensorInfo, rows: tuple[int, int] | None) -> "np.ndarray":
+    """Rows r0:r1 (None: all) of a decoded tensor (_decoded_tensor), in its dtype: gguf-py's decoding
+    (codec.decode_float), refused where it is not finite or exceeds the dtype's range."""
+    from dataclasses import replace
+
+    from ..storage.tensor_io import FLOAT_NAMES, all_finite, encode_float, read_array
+    from . import codec
+
+    n = info.shape[0]
+    r0, r1 = rows or (0, n)
+    stored = replace(info, name=gguf_name, dtype="U8", shape=(n, info.nbytes // max(n, 1)), decode=None)
+    w = codec.decode_float(read_array(stored, rows=(r0, r1)), type_name, stored)
+    out = encode_float(w, info.dtype)
+    if not all_finite(out, info.dtype):
+        raise UnsupportedFormat(f"its {type_name} weights exceed {FLOAT_NAMES[info.dtype]}'s range (largest "
+                                f"{float(abs(w).max()):.3g}); `qconv dequantize --dtype float32` decodes it",
+                                file=info.file, tensor=gguf_name)
+    return out.reshape((r1 - r0,) + tuple(info.shape[1:]))
+
+
+def unpermuted_rows(heads: int, code: str, info: TensorInfo, rows: tuple[int, int] | None) -> "np.ndarray":
+    """Rows r0:r1 (None: all) of llama's float q / k (stored as ``code``) in Hugging Face order, as
+    info.dtype: its rows interleave per head in llama.cpp's rotary order, so the whole tensor is read and
+    put back (codec.unpermute_rows)."""
+    from dataclasses import replace
+
+    from ..storage.tensor_io import convert_float, read_array
+    from . import codec
+
+    whole = codec.unpermute_rows(read_array(replace(info, dtype=code, decode=None)), heads)
+    whole = whole if rows is None else whole[rows[0]:rows[1]]
+    return whole if info.dtype == code else convert_float(whole, code, info.dtype)

@@ -22,9 +22,9 @@ import math
 import os
 import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Mapping
+from typing import BinaryIO, Callable, Mapping
 
 from ...errors import CorruptCheckpoint
 
@@ -72,6 +72,12 @@ class TensorInfo:
     file: Path
     offset: int
     nbytes: int
+    # A tensor stored in a container's own encoding (a GGUF's block-typed embeddings, its llama q / k rows
+    # in rotary order): decode(info, rows) gives rows r0:r1 (None: all) of ``shape`` as info.dtype values,
+    # from its stored bytes (offset, nbytes, whole rows of them), for any float dtype ``info`` is given
+    # (replace(info, dtype=...) decodes straight into another); tensor_io.read_array calls it. None: the
+    # bytes are dtype's own. Picklable.
+    decode: Callable | None = field(default=None, compare=False, repr=False)
 
     @property
     def numel(self) -> int:

@@ -25,7 +25,12 @@ def read_array(info: TensorInfo, rows: tuple[int, int] | None = None,
                cols: tuple[int, int] | None = None) -> np.ndarray:
     """The tensor's stored values, freshly read, never mapped: all of it, or rows r0:r1 of its first
     dimension (one read), and/or columns c0:c1 of a 2-D tensor (one positioned read a row, so a
-    window of a column-major layout such as GPTQ's [in, out] words costs only its own bytes)."""
+    window of a column-major layout such as GPTQ's [in, out] words costs only its own bytes). A tensor
+    a container stores in its own encoding (TensorInfo.decode) is decoded, rows alike."""
+    if info.decode is not None:
+        if cols is not None:
+            raise ValueError("a column window of a decoded tensor")
+        return info.decode(info, rows)
     if info.dtype not in NUMPY:
         raise CorruptCheckpoint(f"dtype {info.dtype} cannot be read by qconv", file=info.file,
                                 tensor=info.name)
