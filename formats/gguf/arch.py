@@ -9,12 +9,13 @@ right. Everything here reads configs and the tokenizer's JSON only (no tensor da
 from __future__ import annotations
 
 import functools
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from ...errors import UnsupportedFormat
+from ...errors import CorruptCheckpoint, UnsupportedFormat
 from ..storage.checkpoint import load_json
 
 # llama.cpp's token types (gguf.TokenType)
@@ -257,17 +258,43 @@ def _pre_name(tok: Mapping, where) -> str:
                             file=where)
 
 
+def sentencepiece_style(tok: Mapping) -> bool:
+    """A tokenizer.json converted from a SentencePiece model (transformers' LlamaTokenizerFast: Metaspace,
+    a "▁" normalizer, byte fallback, or a Unigram model): llama.cpp's "llama" vocab, from tokenizer.model."""
+    model = tok.get("model") if isinstance(tok.get("model"), dict) else {}
+    steps = []
+    for part in ("pre_tokenizer", "normalizer"):
+        step = tok.get(part) if isinstance(tok.get(part), dict) else {}
+        steps += [step] + [s for s in step.get("pretokenizers", step.get("normalizers", [])) if isinstance(s, dict)]
+    return (model.get("type") == "Unigram" or model.get("byte_fallback") is True
+            or any(s.get("type") == "Metaspace" or (s.get("type") in ("Prepend", "Replace") and "\u2581" in
+                                                       json.dumps(s, ensure_ascii=False)) for s in steps))
+
+
 def tokenizer(folder: Path, config: Mapping, root) -> list[tuple[str, str, object]]:
-    """The tokenizer metadata llama.cpp reads, from tokenizer.json (a byte-level BPE: llama.cpp's "gpt2"
-    model) and tokenizer_config.json, as convert_hf_to_gguf's get_vocab_base and gguf.SpecialVocab
-    write it: tokens padded to the model's vocab_size with [PADn] (UNUSED), added special tokens CONTROL,
-    other added tokens USER_DEFINED, merges as "a b", bos / eos / unk / pad ids, add_bos, the chat
-    template."""
-    path = folder / "tokenizer.json"
-    if root.check(path, "tokenizer") != "file":
-        raise UnsupportedFormat("has no tokenizer.json, which llama.cpp's GGUF needs (qconv maps byte-level BPE "
-                                "tokenizers); nothing written", file=folder)
-    tok = load_json(path, what="tokenizer.json")
+    """The tokenizer metadata llama.cpp reads, as llama.cpp's converter writes it: a byte-level BPE
+    tokenizer.json as llama.cpp's "gpt2" model (_gpt2_tokenizer); a SentencePiece tokenizer.model (with no
+    tokenizer.json, or beside one converted from it) as its "llama" model (_sentencepiece_tokenizer)."""
+    path, model_path = folder / "tokenizer.json", folder / "tokenizer.model"
+    tok = load_json(path, what="tokenizer.json") if root.check(path, "tokenizer") == "file" else None
+    if isinstance(tok, dict) and sentencepiece_style(tok) or tok is None:
+        if root.check(model_path, "tokenizer.model") == "file":
+            return _sentencepiece_tokenizer(folder, config, root, tok)
+        if tok is not None:
+            raise UnsupportedFormat("tokenizer.json is a SentencePiece-style tokenizer (Metaspace, byte fallback: "
+                                    "llama.cpp's 'llama' vocab), which qconv writes from the model's tokenizer.model; "
+                                    "put tokenizer.model beside it; nothing written", file=path)
+        raise UnsupportedFormat("has no tokenizer.json or tokenizer.model, which llama.cpp's GGUF needs (qconv maps "
+                                "byte-level BPE tokenizer.json and SentencePiece BPE tokenizer.model); nothing written",
+                                file=folder)
+    return _gpt2_tokenizer(folder, config, root, tok, path)
+
+
+def _gpt2_tokenizer(folder: Path, config: Mapping, root, tok, path: Path) -> list[tuple[str, str, object]]:
+    """tokenizer.json (a byte-level BPE: llama.cpp's "gpt2" model) and tokenizer_config.json, as
+    convert_hf_to_gguf's get_vocab_base and gguf.SpecialVocab write them: tokens padded to the model's
+    vocab_size with [PADn] (UNUSED), added special tokens CONTROL, other added tokens USER_DEFINED, merges
+    as "a b", bos / eos / unk / pad ids, add_bos, the chat template."""
     model = tok.get("model") if isinstance(tok, dict) else None
     if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         raise UnsupportedFormat("tokenizer.json is not a BPE tokenizer, the only kind qconv maps to GGUF; "
@@ -301,21 +328,42 @@ def tokenizer(folder: Path, config: Mapping, root) -> list[tuple[str, str, objec
           ("tokenizer.ggml.add_space_prefix", "bool", prefix),
           ("tokenizer.ggml.tokens", "str[]", tokens), ("tokenizer.ggml.token_type", "i32[]", types),
           ("tokenizer.ggml.merges", "str[]", merges)]
+    tc = _tokenizer_config(folder, root)
+    return kv + _special_tokens(tc, {t: i for i, t in vocab.items()}, config) + _add_and_template(tc, folder, root)
+
+
+def _tokenizer_config(folder: Path, root) -> dict:
     tc_path = folder / "tokenizer_config.json"
     tc = load_json(tc_path, what="tokenizer_config.json") if root.check(tc_path) == "file" else {}
-    tc = tc if isinstance(tc, dict) else {}
-    ids = {t: i for i, t in vocab.items()}
+    return tc if isinstance(tc, dict) else {}
+
+
+def _special_tokens(tc: Mapping, ids: Mapping[str, int], config: Mapping,
+                    fallback: Mapping[str, int] | None = None) -> list[tuple[str, str, object]]:
+    """bos / eos / unk / pad ids as gguf.SpecialVocab finds them: tokenizer_config.json's token by its
+    content, else config.json's *_token_id (else ``fallback``'s)."""
+    kv = []
     for kind in ("bos", "eos", "unk", "pad"):
         value = tc.get(f"{kind}_token")
         value = value.get("content") if isinstance(value, dict) else value
         tid = ids.get(value) if isinstance(value, str) else None
         if tid is None and isinstance(config.get(f"{kind}_token_id"), int):
             tid = config[f"{kind}_token_id"]
+        if tid is None and fallback:
+            tid = fallback.get(kind)
         if tid is not None:                           # llama.cpp's key for unk is unknown_token_id
             kv.append((f"tokenizer.ggml.{'unknown' if kind == 'unk' else kind}_token_id", "u32", int(tid)))
+    return kv
+
+
+def _add_and_template(tc: Mapping, folder: Path, root, add: Mapping[str, bool] | None = None) -> list:
+    """add_bos / add_eos (``add``'s, else tokenizer_config.json's) and the chat template
+    (tokenizer_config.json's, else chat_template.jinja), as gguf.SpecialVocab writes them."""
+    kv = []
     for kind in ("bos", "eos"):
-        if isinstance(tc.get(f"add_{kind}_token"), bool):
-            kv.append((f"tokenizer.ggml.add_{kind}_token", "bool", tc[f"add_{kind}_token"]))
+        value = (add or {}).get(kind, tc.get(f"add_{kind}_token"))
+        if isinstance(value, bool):
+            kv.append((f"tokenizer.ggml.add_{kind}_token", "bool", value))
     template = tc.get("chat_template")
     jinja = folder / "chat_template.jinja"
     if template is None and root.check(jinja) == "file":
@@ -323,6 +371,112 @@ def tokenizer(folder: Path, config: Mapping, root) -> list[tuple[str, str, objec
     if isinstance(template, str):
         kv.append(("tokenizer.chat_template", "str", template))
     return kv
+
+
+def _sentencepiece_tokenizer(folder: Path, config: Mapping, root, tok) -> list[tuple[str, str, object]]:
+    """tokenizer.model as llama.cpp's "llama" model, as convert_hf_to_gguf's _create_vocab_sentencepiece,
+    _set_vocab_sentencepiece and LlamaModel.set_vocab write it: each piece, its score and its type (the
+    piece types are llama.cpp's token types), padded to the model's vocab_size with [PADn] (score -10000,
+    UNUSED); added_tokens.json's tokens USER_DEFINED, tokenizer_config.json's added_tokens_decoder's
+    CONTROL where special (or looking special: <|...|>) and USER_DEFINED otherwise ("▁" as a space), each
+    with score -1000; pre "default"; bos / eos / unk / pad ids, add_bos / add_eos, the chat template.
+
+    Where the converter and sentencepiece disagree, this follows what makes llama.cpp tokenize as
+    sentencepiece does:
+    - a USER_DEFINED piece stays USER_DEFINED (the converter writes NORMAL, and llama.cpp would then break
+      it up instead of matching it whole, as sentencepiece does);
+    - add_space_prefix is the model's add_dummy_prefix (the converter writes none, so llama.cpp always
+      prepends a space), or tokenizer_config.json's add_prefix_space where it has one (as the converter);
+    - pieces past vocab_size are refused (the converter drops them with a warning: ids the model has no
+      embedding row for); models llama.cpp cannot tokenize alike (Unigram, text normalization, collapsed
+      whitespace) are refused (spm.check_llama_cpp_can_tokenize);
+    - where tokenizer_config.json names no bos / eos / unk / pad token by a content the vocab has, nor
+      config.json by id, the model's own ids (trainer_spec) are written (the converter writes none, and
+      llama.cpp then assumes Llama's 1 / 2 / 0); the converter finds names only among tokenizer.json's
+      added tokens, which are pieces here too, so real folders get the same ids;
+    - a transformers-5 folder keeps its added tokens only in tokenizer.json: where tokenizer_config.json
+      has no added_tokens_decoder, tokenizer.json's added_tokens stand for it (the converter would leave
+      those ids [PADn])."""
+    from . import spm
+
+    model_path = folder / "tokenizer.model"
+    model = spm.read_model(model_path)
+    spm.check_llama_cpp_can_tokenize(model, model_path)
+    config = text_config(config)
+    n = len(model.pieces)
+    size = int(config.get("vocab_size") or n)
+    if n > size:
+        raise UnsupportedFormat(f"SentencePiece model has {n} pieces, more than the model's vocab_size {size}; "
+                                f"nothing written", file=model_path)
+    tokens = list(model.pieces) + [f"[PAD{i}]" for i in range(n, size)]
+    scores = list(model.scores) + [-10000.0] * (size - n)
+    types = list(model.types) + [UNUSED] * (size - n)
+    added_path = folder / "added_tokens.json"
+    if root.check(added_path, "added_tokens.json") == "file":
+        added = load_json(added_path, what="added_tokens.json")
+        if not isinstance(added, dict) or not all(isinstance(i, int) and i >= 0 for i in added.values()):
+            raise CorruptCheckpoint("added_tokens.json must map each token to its id", file=added_path)
+        for content, i in added.items():
+            if i < size:                              # the converter skips ids past vocab_size with a warning
+                tokens[i], scores[i], types[i] = content, -1000.0, USER_DEFINED
+    tc = _tokenizer_config(folder, root)
+    decoder = tc.get("added_tokens_decoder")
+    if decoder is None:
+        decoder = {a.get("id"): a for a in tok.get("added_tokens") or [] if isinstance(a, dict)} \
+            if isinstance(tok, dict) else {}
+    where = folder / ("tokenizer_config.json" if "added_tokens_decoder" in tc else "tokenizer.json")
+    if not isinstance(decoder, dict):
+        raise CorruptCheckpoint("added_tokens_decoder must map ids to tokens", file=where)
+    for key, entry in decoder.items():
+        content = entry.get("content") if isinstance(entry, dict) else None
+        if not isinstance(content, str) or not str(key).isdigit():
+            raise CorruptCheckpoint(f"added token {key!r} has no id and content", file=where)
+        i = int(key)
+        if i >= size:
+            continue
+        if entry.get("special") or _looks_special(content):
+            types[i] = CONTROL
+        else:
+            content, types[i] = content.replace("\u2581", " "), USER_DEFINED     # pre-normalized user-defined spaces
+        tokens[i], scores[i] = content, -1000.0
+    prefix = tc.get("add_prefix_space")
+    kv = [("tokenizer.ggml.model", "str", "llama"), ("tokenizer.ggml.pre", "str", "default"),
+          ("tokenizer.ggml.add_space_prefix", "bool", prefix if isinstance(prefix, bool) else model.add_dummy_prefix),
+          ("tokenizer.ggml.tokens", "str[]", tokens), ("tokenizer.ggml.scores", "f32[]", scores),
+          ("tokenizer.ggml.token_type", "i32[]", types)]
+    ids: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        ids.setdefault(t, i)
+    own = {k: i for k, i in model.special_ids if 0 <= i < size}
+    return kv + _special_tokens(tc, ids, config, own) + _add_and_template(tc, folder, root, _post_processor(tok, tc))
+
+
+def _looks_special(token: str) -> bool:
+    """convert_hf_to_gguf's does_token_look_special: added tokens some models leave unmarked."""
+    return (token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (token.startswith("<|") and token.endswith("|>"))
+            or (token.startswith("<\uff5c") and token.endswith("\uff5c>"))
+            or (token.startswith("<unused") and token.endswith(">")))
+
+
+def _post_processor(tok, tc: Mapping) -> dict[str, bool]:
+    """add_bos / add_eos from tokenizer.json's TemplateProcessing, which gguf.SpecialVocab prefers to
+    tokenizer_config.json's add_*_token: whether its single-sequence template starts with the bos token
+    and ends with the eos token (where it has a special token there)."""
+    post = tok.get("post_processor") if isinstance(tok, dict) else None
+    if not isinstance(post, dict):
+        return {}
+    add = {}
+    for proc in post.get("processors", [post]) if isinstance(post.get("processors", [post]), list) else []:
+        single = proc.get("single") if isinstance(proc, dict) and proc.get("type") == "TemplateProcessing" else None
+        if not isinstance(single, list) or len(single) < 2:
+            continue
+        names = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in tc.items() if k in ("bos_token", "eos_token")}
+        first, last = (x.get("SpecialToken", {}).get("id") if isinstance(x, dict) else None for x in (single[0], single[-1]))
+        if first:
+            add["bos"] = first == names.get("bos_token")
+        if last:
+            add["eos"] = last == names.get("eos_token")
+    return add
 
 
 _BLOCK = re.compile(r"^model\.layers\.(\d+)\.")
