@@ -351,9 +351,21 @@ def _special_tokens(tc: Mapping, ids: Mapping[str, int], config: Mapping,
             tid = config[f"{kind}_token_id"]
         if tid is None and fallback:
             tid = fallback.get(kind)
-        if tid is not None:                           # llama.cpp's key for unk is unknown_token_id
-            kv.append((f"tokenizer.ggml.{'unknown' if kind == 'unk' else kind}_token_id", "u32", int(tid)))
+        if tid is not None:
+            kv.append((ID_KEYS[kind], "u32", int(tid)))
     return kv
+
+
+# llama.cpp's keys for the special ids (gguf-py's Keys.Tokenizer); qconv before 2026-12-05 wrote the pad id
+# as tokenizer.ggml.pad_token_id, which llama.cpp does not read, and still reads it back
+ID_KEYS = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.ggml.eos_token_id",
+           "unk": "tokenizer.ggml.unknown_token_id", "pad": "tokenizer.ggml.padding_token_id"}
+
+
+def special_id(meta: Mapping, kind: str):
+    """A GGUF's bos / eos / unk / pad id (None where it has none)."""
+    tid = meta.get(ID_KEYS[kind])
+    return meta.get("tokenizer.ggml.pad_token_id") if tid is None and kind == "pad" else tid
 
 
 def _add_and_template(tc: Mapping, folder: Path, root, add: Mapping[str, bool] | None = None) -> list:
@@ -581,8 +593,8 @@ def config_from(meta: Mapping, where) -> dict:
     tokens = meta.get("tokenizer.ggml.tokens")
     config["vocab_size"] = int(meta.get(f"{a}.vocab_size", len(tokens) if isinstance(tokens, list) else 0))
     for kind in ("bos", "eos", "pad"):
-        if isinstance(meta.get(f"tokenizer.ggml.{kind}_token_id"), int):
-            config[f"{kind}_token_id"] = meta[f"tokenizer.ggml.{kind}_token_id"]
+        if isinstance(special_id(meta, kind), int):
+            config[f"{kind}_token_id"] = special_id(meta, kind)
     return config
 
 
@@ -612,7 +624,7 @@ def tokenizer_files(meta: Mapping, where) -> dict[str, dict]:
                           "normalized": kind == USER_DEFINED, "special": kind == CONTROL})
     byte_level = {"type": "ByteLevel", "add_prefix_space": bool(meta.get("tokenizer.ggml.add_space_prefix", False)),
                   "trim_offsets": True, "use_regex": pre == "gpt-2"}
-    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = special_id(meta, "unk")
     unk = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
     if pre == "gpt-2":
         pre_tok = byte_level
@@ -628,7 +640,7 @@ def tokenizer_files(meta: Mapping, where) -> dict[str, dict]:
                      "vocab": vocab, "merges": [m.split(" ", 1) for m in merges]}}
     tc = {"tokenizer_class": "PreTrainedTokenizerFast"}
     for kind in ("bos", "eos", "unk", "pad"):
-        tid = meta.get(f"tokenizer.ggml.{'unknown' if kind == 'unk' else kind}_token_id")
+        tid = special_id(meta, kind)
         if isinstance(tid, int) and 0 <= tid < len(tokens):
             tc[f"{kind}_token"] = tokens[tid]
     for kind in ("bos", "eos"):

@@ -23,6 +23,7 @@ ten bytes, and nesting is two messages deep. A malformed file is refused in one 
 from __future__ import annotations
 
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,7 +132,7 @@ def read_model(path: Path) -> SpModel:
     path = Path(path)
     try:
         with open_regular(path, what="tokenizer.model") as f:
-            raw = f.read(MAX_MODEL_BYTES + 1)
+            raw = f.read(min(os.fstat(f.fileno()).st_size, MAX_MODEL_BYTES) + 1)
     except OSError as exc:
         raise CorruptCheckpoint(f"cannot read tokenizer.model: {exc.strerror or exc}", file=path) from None
     if len(raw) > MAX_MODEL_BYTES:
@@ -139,7 +140,7 @@ def read_model(path: Path) -> SpModel:
                                 f"SentencePiece model", file=path)
     buf = memoryview(raw)
     top = _Message(buf, 0, len(buf), path, "ModelProto")
-    pieces, scores, types, trainer, normalizer = [], [], [], {}, {}
+    pieces, scores, types, trainer, normalizer, specs = [], [], [], {}, {}, set()
     for number, wire, value in top.fields():
         if number == 1:
             top.expect(number, wire, 2, "a piece")
@@ -151,8 +152,12 @@ def read_model(path: Path) -> SpModel:
             top.expect(number, wire, 2, "trainer_spec" if number == 2 else "normalizer_spec")
             spec = top.sub(value, "trainer_spec" if number == 2 else "normalizer_spec")
             (trainer if number == 2 else normalizer).update(_scalars(spec))
+            specs.add(number)
     if not pieces:
         raise CorruptCheckpoint("is not a SentencePiece model: it has no pieces", file=path)
+    if specs != {2, 3}:                               # sentencepiece writes both after the pieces: a file cut
+        missing = " and ".join(n for k, n in ((2, "trainer_spec"), (3, "normalizer_spec")) if k not in specs)
+        raise CorruptCheckpoint(f"is not a whole SentencePiece model: it has no {missing} (truncated?)", file=path)
     seen: dict[str, int] = {}
     for i, piece in enumerate(pieces):
         if not piece:
