@@ -56,6 +56,23 @@ def run_qconv(*args, check=None):
     return proc
 
 
+SPM = FIXTURES / "tokenizers" / "llama-spm"     # a SentencePiece tokenizer.model (fixtures/make_spm_tokenizer.py)
+
+
+def spm_folder(dst: Path, *, tokenizer_json: dict | None = None, model: bytes | None = None, **config) -> Path:
+    """llama-gptq-w8g128's weights and config (config.json updated by ``config``) with the SentencePiece
+    fixture's tokenizer.model (or ``model``) and tokenizer_config.json instead of its own tokenizer."""
+    shutil.copytree(CHECKPOINTS / "llama-gptq-w8g128", dst, ignore=shutil.ignore_patterns("tokenizer*", "oracle"))
+    (dst / "tokenizer.model").write_bytes(model if model is not None else (SPM / "tokenizer.model").read_bytes())
+    shutil.copy(SPM / "tokenizer_config.json", dst)
+    if config:
+        doc = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**doc, **config}, indent=2))
+    if tokenizer_json is not None:
+        (dst / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    return dst
+
+
 def one_error(proc, code, *needles):
     """The run exited ``code`` with exactly one ``qconv: error:`` line holding every needle; returns it."""
     assert proc.returncode == code, (proc.returncode, proc.stderr)

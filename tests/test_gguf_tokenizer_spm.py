@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
 import subprocess
 import sys
@@ -24,28 +23,13 @@ import gguf
 import numpy as np
 import pytest
 
-from conftest import CHECKPOINTS, FIXTURES, REPO, one_error, run_qconv
+from conftest import CHECKPOINTS, FIXTURES, SPM, one_error, run_qconv, spm_folder
 
 sentencepiece = pytest.importorskip("sentencepiece")
 
-SPM = FIXTURES / "tokenizers" / "llama-spm"
 WEIGHTS = "llama-gptq-w8g128"
 LLAMACPP = Path.home() / ".cache" / "qconv" / "sdist" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-
-
-def spm_folder(dst: Path, *, tokenizer_json: dict | None = None, model: bytes | None = None, **config) -> Path:
-    """llama-gptq-w8g128's weights and config (config.json updated by ``config``) with the SentencePiece
-    fixture's tokenizer.model (or ``model``) and tokenizer_config.json instead of its own tokenizer."""
-    shutil.copytree(CHECKPOINTS / WEIGHTS, dst, ignore=shutil.ignore_patterns("tokenizer*", "oracle"))
-    (dst / "tokenizer.model").write_bytes(model if model is not None else (SPM / "tokenizer.model").read_bytes())
-    shutil.copy(SPM / "tokenizer_config.json", dst)
-    if config:
-        doc = json.loads((dst / "config.json").read_text())
-        (dst / "config.json").write_text(json.dumps({**doc, **config}, indent=2))
-    if tokenizer_json is not None:
-        (dst / "tokenizer.json").write_text(json.dumps(tokenizer_json))
-    return dst
 
 
 def tokenizer_fields(path: Path) -> dict:
