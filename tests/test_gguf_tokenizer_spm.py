@@ -326,3 +326,17 @@ def test_every_truncation_is_refused_and_no_length_is_allocated(tmp_path):
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 1 << 20, peak
+
+
+def test_reading_a_llama_vocab_back_says_the_tokenizer_is_not_rebuilt(tmp_path):
+    """`qconv dequantize` and `qconv convert` of a GGUF with llama.cpp's "llama" vocabulary write the
+    weights and say, in a warning, that the folder has no tokenizer (qconv rebuilds only "gpt2" ones)."""
+    spm_folder(tmp_path / "src")
+    run_qconv("convert", tmp_path / "src", tmp_path / "out.gguf", "--to", "gguf", check=0)
+    proc = run_qconv("dequantize", tmp_path / "out.gguf", tmp_path / "float", check=0)
+    assert "qconv: warning:" in proc.stderr and "'llama' (SentencePiece) vocabulary" in proc.stderr
+    assert not list((tmp_path / "float").glob("tokenizer*"))
+    for target in ("gptq", "float16"):
+        proc = run_qconv("convert", "--json", tmp_path / "out.gguf", tmp_path / target, "--to", target, check=0)
+        (comp,) = json.loads(proc.stdout)["components"]
+        assert any("does not rebuild into tokenizer files" in w for w in comp["warnings"]), comp["warnings"]

@@ -601,10 +601,23 @@ def config_from(meta: Mapping, where) -> dict:
 _PRE_SPLIT = {v: k for k, v in _PRE_BY_REGEX.items() if v != "gpt-2"}
 
 
+def tokenizer_warning(meta: Mapping) -> str | None:
+    """What a folder read back from a GGUF lacks: a tokenizer qconv does not rebuild (llama.cpp's "llama"
+    SentencePiece vocabulary, or another model than "gpt2"); None where tokenizer_files() rebuilds it or
+    the file has none."""
+    model = meta.get("tokenizer.ggml.model")
+    if model is None or model == "gpt2":
+        return None
+    kind = "llama.cpp's 'llama' (SentencePiece) vocabulary" if model == "llama" else f"tokenizer model {model!r}"
+    return (f"its tokenizer is {kind}, which qconv does not rebuild into tokenizer files yet: the folder has no "
+            f"tokenizer; copy the original model's tokenizer.model and tokenizer_config.json into it")
+
+
 def tokenizer_files(meta: Mapping, where) -> dict[str, dict]:
     """tokenizer.json and tokenizer_config.json rebuilt from a GGUF's byte-level BPE tokenizer (llama.cpp's
     "gpt2" model): the inverse of tokenizer(): [PADn] padding (UNUSED) left out, CONTROL tokens as special
-    added tokens, USER_DEFINED as plain added tokens. {} where the file has no tokenizer of that kind."""
+    added tokens, USER_DEFINED as plain added tokens. {} where the file has no tokenizer of that kind
+    (tokenizer_warning says so)."""
     if meta.get("tokenizer.ggml.model") != "gpt2":
         return {}
     tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type") or []

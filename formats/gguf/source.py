@@ -140,4 +140,4 @@ def open_gguf(path: Path) -> Component:
     config["quantization_config"] = {"quant_method": "gguf", "ggml_types": types, "row_order": order}
     return Component(name=path.name, path=path, files=header.files or (path,), headers={}, tensors=tensors,
                      made_files=functools.partial(tokenizer_docs, path),
-                     config=config)
+                     warnings=tuple(w for w in [garch.tokenizer_warning(g.meta)] if w), config=config)
