@@ -59,6 +59,15 @@ def run_qconv(*args, check=None):
 SPM = FIXTURES / "tokenizers" / "llama-spm"     # a SentencePiece tokenizer.model (fixtures/make_spm_tokenizer.py)
 
 
+# Strings a SentencePiece GGUF's tokenizer (llama.cpp's, or the one qconv rebuilds) must split as sentencepiece does: leading / trailing / runs of
+# spaces (the dummy prefix, no collapsing), accents and other scripts the fixture's vocabulary has, characters
+# it lacks (byte fallback: emoji, a 4-byte letter, rare CJK), digits, newlines and tabs, text that looks like
+# a special token (parsed as text, special=False), the empty string.
+SPM_STRINGS = ["Hello world", " leading space", "  two leading spaces", "trailing space ", "café naïve Zürich",
+               "東京 and 大阪", "emoji 🦙 and 𝔘𝔫𝔦", "rare: ǅ ʬ ⅞ 龘", "digits 0123456789 and 3.14159",
+               "line one\nline two\n\nthree", "tabs\tand  double  spaces", "<s> looks special </s>", "", "x"]
+
+
 def spm_folder(dst: Path, *, tokenizer_json: dict | None = None, model: bytes | None = None, **config) -> Path:
     """llama-gptq-w8g128's weights and config (config.json updated by ``config``) with the SentencePiece
     fixture's tokenizer.model (or ``model``) and tokenizer_config.json instead of its own tokenizer."""

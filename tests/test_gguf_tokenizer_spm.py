@@ -328,15 +328,49 @@ def test_every_truncation_is_refused_and_no_length_is_allocated(tmp_path):
     assert peak < 1 << 20, peak
 
 
-def test_reading_a_llama_vocab_back_says_the_tokenizer_is_not_rebuilt(tmp_path):
-    """`qconv dequantize` and `qconv convert` of a GGUF with llama.cpp's "llama" vocabulary write the
-    weights and say, in a warning, that the folder has no tokenizer (qconv rebuilds only "gpt2" ones)."""
+def test_a_llama_vocab_reads_back_as_a_tokenizer_transformers_loads(tmp_path, sp):
+    """`qconv dequantize` (and convert to a folder) of a GGUF with llama.cpp's "llama" vocabulary writes
+    tokenizer.json (arch._llama_tokenizer_json, transformers' LlamaConverter's form) and
+    tokenizer_config.json: transformers loads them and gives sentencepiece's ids with bos first, and
+    decodes them back, on every string but the one that spells <s> (which transformers, as for Llama-2's
+    own tokenizer.json, matches as the special token)."""
+    from transformers import AutoTokenizer
+
+    from conftest import SPM_STRINGS
+
     spm_folder(tmp_path / "src")
     run_qconv("convert", tmp_path / "src", tmp_path / "out.gguf", "--to", "gguf", check=0)
     proc = run_qconv("dequantize", tmp_path / "out.gguf", tmp_path / "float", check=0)
-    assert "qconv: warning:" in proc.stderr and "'llama' (SentencePiece) vocabulary" in proc.stderr
+    assert "warning" not in proc.stderr, proc.stderr
+    tok = AutoTokenizer.from_pretrained(tmp_path / "float")
+    for text in SPM_STRINGS:
+        ids = tok(text).input_ids
+        if text.startswith("<s>"):
+            assert ids[:2] == [1, 1], ids
+            continue
+        assert ids == [sp.bos_id()] + sp.encode(text), text
+        assert tok.decode(ids, skip_special_tokens=True) == text
+    tc = json.loads((tmp_path / "float" / "tokenizer_config.json").read_text())
+    assert (tc["bos_token"], tc["eos_token"], tc["unk_token"], tc["add_bos_token"]) == ("<s>", "</s>", "<unk>", True)
+    run_qconv("convert", tmp_path / "out.gguf", tmp_path / "gptq", "--to", "gptq", check=0)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "gptq" / name).read_bytes() == (tmp_path / "float" / name).read_bytes()
+
+
+def test_a_tokenizer_model_qconv_does_not_rebuild_is_said(tmp_path):
+    """A GGUF whose tokenizer model is neither "gpt2" nor "llama": the folder read back has no tokenizer,
+    and dequantize and convert say so in a warning."""
+    spm_folder(tmp_path / "src")
+    run_qconv("convert", tmp_path / "src", tmp_path / "out.gguf", "--to", "gguf", check=0)
+    reader = gguf.GGUFReader(tmp_path / "out.gguf", "r+")
+    field = reader.fields["tokenizer.ggml.model"]
+    field.parts[field.data[0]][:] = np.frombuffer(b"weird", np.uint8)
+    reader.data.flush()
+    del reader
+    proc = run_qconv("dequantize", tmp_path / "out.gguf", tmp_path / "float", check=0)
+    assert "qconv: warning:" in proc.stderr and "tokenizer model 'weird'" in proc.stderr
     assert not list((tmp_path / "float").glob("tokenizer*"))
     for target in ("gptq", "float16"):
         proc = run_qconv("convert", "--json", tmp_path / "out.gguf", tmp_path / target, "--to", target, check=0)
         (comp,) = json.loads(proc.stdout)["components"]
-        assert any("does not rebuild into tokenizer files" in w for w in comp["warnings"]), comp["warnings"]
+        assert any("not one qconv rebuilds" in w for w in comp["warnings"]), comp["warnings"]

@@ -259,17 +259,12 @@ def test_llama_cpp_reads_split_files_as_qconv_does(tmp_path):
     assert proc.returncode == 2 and "pass its first file (m-00001-of-00003.gguf)" in proc.stderr
 
 
-# Strings llama.cpp's SentencePiece tokenizer must split as sentencepiece does: leading / trailing / runs of
-# spaces (the dummy prefix, no collapsing), accents and other scripts the fixture's vocabulary has, characters
-# it lacks (byte fallback: emoji, a 4-byte letter, rare CJK), digits, newlines and tabs, text that looks like
-# a special token (parsed as text, special=False), the empty string.
-SPM_STRINGS = ["Hello world", " leading space", "  two leading spaces", "trailing space ", "café naïve Zürich",
-               "東京 and 大阪", "emoji 🦙 and 𝔘𝔫𝔦", "rare: ǅ ʬ ⅞ 龘", "digits 0123456789 and 3.14159",
-               "line one\nline two\n\nthree", "tabs\tand  double  spaces", "<s> looks special </s>", "", "x"]
 SPM_SCRIPT = REPO / "tests" / "consumers" / "llamacpp_tokenize.py"
 
 
 def _llama_cpp_tokenize(path, tmp):
+    from conftest import SPM_STRINGS
+
     (tmp / "strings.json").write_text(json.dumps(SPM_STRINGS, ensure_ascii=False), encoding="utf-8")
     out = tmp / f"{path.stem}.json"
     proc = subprocess.run([str(LLAMA_PYTHON), str(SPM_SCRIPT), str(path), str(tmp / "strings.json"), str(out)],
@@ -287,7 +282,7 @@ def test_llama_cpp_tokenizes_a_sentencepiece_gguf_as_sentencepiece(tmp_path):
     gguf-py's LlamaHfVocab writes them, only 2 of 14 on this small vocabulary, where merging the leftmost
     pair first mostly agrees)."""
     sentencepiece = pytest.importorskip("sentencepiece")
-    from conftest import SPM, spm_folder
+    from conftest import SPM, SPM_STRINGS, spm_folder
 
     src = spm_folder(tmp_path / "src")
     run_qconv("convert", src, tmp_path / "spm.gguf", "--to", "gguf", check=0)

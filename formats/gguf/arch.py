@@ -19,7 +19,7 @@ from ...errors import CorruptCheckpoint, UnsupportedFormat
 from ..storage.checkpoint import load_json
 
 # llama.cpp's token types (gguf.TokenType)
-NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED = 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
@@ -602,22 +602,22 @@ _PRE_SPLIT = {v: k for k, v in _PRE_BY_REGEX.items() if v != "gpt-2"}
 
 
 def tokenizer_warning(meta: Mapping) -> str | None:
-    """What a folder read back from a GGUF lacks: a tokenizer qconv does not rebuild (llama.cpp's "llama"
-    SentencePiece vocabulary, or another model than "gpt2"); None where tokenizer_files() rebuilds it or
-    the file has none."""
+    """What a folder read back from a GGUF lacks: a tokenizer qconv does not rebuild (a model other than
+    llama.cpp's "gpt2" and "llama"); None where tokenizer_files() rebuilds it or the file has none."""
     model = meta.get("tokenizer.ggml.model")
-    if model is None or model == "gpt2":
+    if model in (None, "gpt2", "llama"):
         return None
-    kind = "llama.cpp's 'llama' (SentencePiece) vocabulary" if model == "llama" else f"tokenizer model {model!r}"
-    return (f"its tokenizer is {kind}, which qconv does not rebuild into tokenizer files yet: the folder has no "
-            f"tokenizer; copy the original model's tokenizer.model and tokenizer_config.json into it")
+    return (f"its tokenizer model {model!r} is not one qconv rebuilds into tokenizer files: the folder has no "
+            f"tokenizer; copy the original model's tokenizer files into it")
 
 
 def tokenizer_files(meta: Mapping, where) -> dict[str, dict]:
     """tokenizer.json and tokenizer_config.json rebuilt from a GGUF's byte-level BPE tokenizer (llama.cpp's
     "gpt2" model): the inverse of tokenizer(): [PADn] padding (UNUSED) left out, CONTROL tokens as special
-    added tokens, USER_DEFINED as plain added tokens. {} where the file has no tokenizer of that kind
-    (tokenizer_warning says so)."""
+    added tokens, USER_DEFINED as plain added tokens; a "llama" (SentencePiece) one: _llama_tokenizer_json.
+    {} where the file has no tokenizer of those kinds (tokenizer_warning says so)."""
+    if meta.get("tokenizer.ggml.model") == "llama":
+        return {"tokenizer.json": _llama_tokenizer_json(meta), "tokenizer_config.json": _tokenizer_config_of(meta)}
     if meta.get("tokenizer.ggml.model") != "gpt2":
         return {}
     tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type") or []
@@ -651,6 +651,12 @@ def tokenizer_files(meta: Mapping, where) -> dict[str, dict]:
            "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
                      "vocab": vocab, "merges": [m.split(" ", 1) for m in merges]}}
+    return {"tokenizer.json": tok, "tokenizer_config.json": _tokenizer_config_of(meta)}
+
+
+def _tokenizer_config_of(meta: Mapping) -> dict:
+    """tokenizer_config.json from a GGUF's special ids, add_bos / add_eos and chat template."""
+    tokens = meta["tokenizer.ggml.tokens"]
     tc = {"tokenizer_class": "PreTrainedTokenizerFast"}
     for kind in ("bos", "eos", "unk", "pad"):
         tid = special_id(meta, kind)
@@ -661,4 +667,61 @@ def tokenizer_files(meta: Mapping, where) -> dict[str, dict]:
             tc[f"add_{kind}_token"] = meta[f"tokenizer.ggml.add_{kind}_token"]
     if isinstance(meta.get("tokenizer.chat_template"), str):
         tc["chat_template"] = meta["tokenizer.chat_template"]
-    return {"tokenizer.json": tok, "tokenizer_config.json": tc}
+    return tc
+
+
+def _llama_tokenizer_json(meta: Mapping) -> dict:
+    """tokenizer.json for llama.cpp's "llama" vocabulary, as transformers' LlamaConverter makes one from a
+    SentencePiece BPE model (Llama-2's tokenizer.json): a BPE model with byte fallback over every piece
+    but the [PADn] padding (UNUSED), its merges every split of a NORMAL piece into two pieces, in the
+    order of the merged piece's score (SentencePieceExtractor); a "▁" prepended (add_space_prefix) and
+    spaces as "▁" by the normalizer; CONTROL, UNKNOWN and USER_DEFINED tokens added (the first two
+    special); bos (and eos) added as add_bos / add_eos say (llama.cpp's defaults: bos yes, eos no).
+    Tested: the same ids as sentencepiece on the fixture's strings, but text that spells a special token
+    (<s>), which transformers matches as the token."""
+    tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type") or []
+    scores = meta.get("tokenizer.ggml.scores") or []
+    kind = [types[i] if i < len(types) else NORMAL for i in range(len(tokens))]
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        if kind[i] != UNUSED:
+            vocab.setdefault(t, i)
+    ranked = []
+    for i, t in enumerate(tokens):
+        if kind[i] != NORMAL or vocab.get(t) != i:
+            continue
+        splits = sorted(((t[:k], t[k:]) for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab),
+                        key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        score = float(scores[i]) if i < len(scores) else 0.0
+        ranked += [(-score, i, n, list(p)) for n, p in enumerate(splits)]
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": kind[i] == USER_DEFINED, "special": kind[i] != USER_DEFINED}
+             for i, t in enumerate(tokens) if kind[i] in (CONTROL, UNKNOWN, USER_DEFINED)]
+    unk = special_id(meta, "unk")
+    unk = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
+    norm = [{"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]
+    decoders = [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
+                {"type": "Fuse"}]
+    if meta.get("tokenizer.ggml.add_space_prefix", True):   # llama.cpp's default for "llama"
+        norm.insert(0, {"type": "Prepend", "prepend": "\u2581"})
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    ends, special = {}, {}
+    for kind_, default in (("bos", True), ("eos", False)):
+        tid = special_id(meta, kind_)
+        if meta.get(f"tokenizer.ggml.add_{kind_}_token", default) and isinstance(tid, int) and 0 <= tid < len(tokens):
+            ends[kind_] = tokens[tid]
+            special[tokens[tid]] = {"id": tokens[tid], "ids": [tid], "tokens": [tokens[tid]]}
+
+    def template(seq: str, type_id: int) -> list:
+        return ([{"SpecialToken": {"id": ends["bos"], "type_id": type_id}}] if "bos" in ends else []) + \
+            [{"Sequence": {"id": seq, "type_id": type_id}}] + \
+            ([{"SpecialToken": {"id": ends["eos"], "type_id": type_id}}] if "eos" in ends else [])
+
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+            "normalizer": {"type": "Sequence", "normalizers": norm}, "pre_tokenizer": None,
+            "post_processor": {"type": "TemplateProcessing", "single": template("A", 0),
+                               "pair": template("A", 0) + template("B", 1), "special_tokens": special},
+            "decoder": {"type": "Sequence", "decoders": decoders},
+            "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                      "vocab": vocab, "merges": [p for *_, p in sorted(ranked)]}}
