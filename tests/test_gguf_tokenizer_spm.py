@@ -374,3 +374,31 @@ def test_a_tokenizer_model_qconv_does_not_rebuild_is_said(tmp_path):
         proc = run_qconv("convert", "--json", tmp_path / "out.gguf", tmp_path / target, "--to", target, check=0)
         (comp,) = json.loads(proc.stdout)["components"]
         assert any("not one qconv rebuilds" in w for w in comp["warnings"]), comp["warnings"]
+
+
+def test_gguf_to_gguf_keeps_the_llama_vocab(tmp_path, written):
+    spm_folder(tmp_path / "src")
+    run_qconv("convert", tmp_path / "src", tmp_path / "a.gguf", "--to", "gguf", check=0)
+    assert convert(tmp_path / "a.gguf", tmp_path / "b.gguf") == tokenizer_fields(tmp_path / "a.gguf") == written
+
+
+def test_random_byte_flips_are_read_or_refused_never_a_crash(tmp_path):
+    """500 single-byte mutations of the real model (fixed seed): each is read, or refused as corrupt or
+    unsupported, by the reader and its checks; no other exception."""
+    import random
+
+    from qconv.errors import CorruptCheckpoint, UnsupportedFormat
+    from qconv.formats.gguf import spm
+
+    rng, path, outcomes = random.Random(0), tmp_path / "tokenizer.model", {"read": 0, "refused": 0}
+    for _ in range(500):
+        raw = bytearray(REAL)
+        raw[rng.randrange(len(raw))] = rng.randrange(256)
+        path.write_bytes(bytes(raw))
+        try:
+            spm.check_llama_cpp_can_tokenize(spm.read_model(path), path)
+            outcomes["read"] += 1
+        except (CorruptCheckpoint, UnsupportedFormat) as exc:
+            assert str(path) in str(exc)
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 0 and outcomes["read"] > 0, outcomes
