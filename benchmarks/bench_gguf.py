@@ -23,8 +23,8 @@ on PYTHONPATH. Its llama path imports sentencepiece before it looks for tokenize
 is installed once with pip --target into ~/.cache/qconv/pylib-sentencepiece (never into .venv) and put
 on PYTHONPATH.
 
-Tokenizer. The benchmark model has none, and qconv's GGUF needs a byte-level BPE tokenizer.json (its
-SentencePiece TinyLlama tokenizer is not mapped yet): the sources here are the cached int8 model's files
+Tokenizer. The benchmark model has none (random weights, no tokenizer.model), and a GGUF needs one: the
+sources here are the cached int8 model's files
 hard-linked into tinyllama-bnb8-tok/ beside the fixtures' 143-token byte-level BPE tokenizer
 (fixtures/checkpoints/llama-bnb8/tokenizer.json, padded by both tools to the 32,000 ids with [PADn]).
 llama.cpp's converter identifies a BPE pre-tokenizer by hashing what it makes of a test string, and knows

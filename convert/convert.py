@@ -41,7 +41,7 @@ from ..formats.core.reader import model_dtype, read_float_rows, read_module, req
 from ..formats.storage.safetensors_header import DTYPES, FLOAT_DTYPES
 from ..formats.storage.tensor_io import FLOAT_NAMES, encode_float, finite_scales, read_array, to_float32
 from .dequantize import dequantize_component, finite_rows
-from .engine import DEFAULT_MAX_SHARD, OutTensor, passthrough, run, write_component
+from .engine import DEFAULT_MAX_SHARD, OutTensor, made_warnings, passthrough, run, write_component
 from .parallel import Replan
 from .requantize import requantize
 
@@ -576,7 +576,7 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
         fused = sorted({m.details["rows_of"][0].name for m in views}, key=natural_key)
         summary["experts_split"] = {"fused_tensors": len(fused), "modules": len(views), "examples": fused[:2]}
     return {"component": comp.name, "from": det.method, "to": opts.to, "search": opts.search, **summary, **written,
-            "warnings": list(comp.warnings) + list(det.warnings) + _v1_zero_warning(summary["v1_zero_points"])
+            "warnings": list(det.warnings) + made_warnings(comp) + _v1_zero_warning(summary["v1_zero_points"])
             + _activation_warning(modules, p.outputs, opts)}
 
 

@@ -20,7 +20,7 @@ from ..formats.core.reader import model_dtype, read_module, require_decodable
 from ..formats.core.registry import family
 from ..formats.storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, all_finite, encode_float
 from ..validation import WINDOW_ELEMENTS   # codes of a module read at once, as validate reads them
-from .engine import DEFAULT_MAX_SHARD, OutTensor, ordered, passthrough, run, write_component
+from .engine import DEFAULT_MAX_SHARD, OutTensor, made_warnings, ordered, passthrough, run, write_component
 from .parallel import Replan
 
 
@@ -118,7 +118,8 @@ def dequantize_component(comp: Component, out_dir: Path, dtype: str | None, max_
     written = write_component(comp, out_dir, plan, config, max_shard, f"dequantizing {comp.name}", jobs=jobs,
                               replan=Replan(_replan, (FLOAT_CODES[target],)))
     return {"component": comp.name, "method": det.method, "dtype": target,
-            "dequantized_modules": len(det.modules), **written, "warnings": list(comp.warnings) + list(det.warnings)}
+            "dequantized_modules": len(det.modules), **written,
+            "warnings": list(det.warnings) + made_warnings(comp)}
 
 
 def dequantize(src: Path, dst: Path, *, dtype: str | None = None, overwrite: bool = False,

@@ -217,6 +217,12 @@ def write_shard(out_dir: Path, shard, by_name: dict, written: Callable[[int], No
     writer.close()
 
 
+def made_warnings(comp: Component) -> list[str]:
+    """A container's own warnings about the files it rebuilds (a GGUF whose tokenizer qconv does not
+    rebuild): said by every verb that writes a folder from it."""
+    return list(comp.warnings) if comp.made_files is not None else []
+
+
 def write_component(comp: Component, out_dir: Path, tensors: list[OutTensor], config: dict | None,
                     max_shard: int, label: str, *, jobs: int = 1, replan: Replan | None = None,
                     state=None, base: str | None = None) -> dict:

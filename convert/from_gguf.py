@@ -67,10 +67,12 @@ def _rows(t, hf_name: str, config: dict, code: str, permute: bool, shape: tuple,
 
 def _warnings(g) -> list[str]:
     own = g.meta.get("general.architecture")
+    note = garch.tokenizer_warning(g.meta)
+    notes = [note] if note else []
     if own == g.arch.name:
-        return []
+        return notes
     return [f"a {own} file holds a VL model's text decoder: written as the text model it computes on text "
-            f"({g.arch.hf_class}); its vision tower is llama.cpp's mmproj file, not this one"]
+            f"({g.arch.hf_class}); its vision tower is llama.cpp's mmproj file, not this one"] + notes
 
 
 def dequantize_gguf(src: Path, dst: Path, *, dtype: str | None = None, overwrite: bool = False,

@@ -479,6 +479,8 @@ def _add(writer, key: str, kind, value) -> None:
         writer.add_array(key, value)
     elif kind == "i32[]":
         writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+    elif kind == "f32[]":
+        writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32)
     else:
         raise AssertionError(kind)
 

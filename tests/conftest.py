@@ -56,6 +56,32 @@ def run_qconv(*args, check=None):
     return proc
 
 
+SPM = FIXTURES / "tokenizers" / "llama-spm"     # a SentencePiece tokenizer.model (fixtures/make_spm_tokenizer.py)
+
+
+# Strings a SentencePiece GGUF's tokenizer (llama.cpp's, or the one qconv rebuilds) must split as sentencepiece does: leading / trailing / runs of
+# spaces (the dummy prefix, no collapsing), accents and other scripts the fixture's vocabulary has, characters
+# it lacks (byte fallback: emoji, a 4-byte letter, rare CJK), digits, newlines and tabs, text that looks like
+# a special token (parsed as text, special=False), the empty string.
+SPM_STRINGS = ["Hello world", " leading space", "  two leading spaces", "trailing space ", "café naïve Zürich",
+               "東京 and 大阪", "emoji 🦙 and 𝔘𝔫𝔦", "rare: ǅ ʬ ⅞ 龘", "digits 0123456789 and 3.14159",
+               "line one\nline two\n\nthree", "tabs\tand  double  spaces", "<s> looks special </s>", "", "x"]
+
+
+def spm_folder(dst: Path, *, tokenizer_json: dict | None = None, model: bytes | None = None, **config) -> Path:
+    """llama-gptq-w8g128's weights and config (config.json updated by ``config``) with the SentencePiece
+    fixture's tokenizer.model (or ``model``) and tokenizer_config.json instead of its own tokenizer."""
+    shutil.copytree(CHECKPOINTS / "llama-gptq-w8g128", dst, ignore=shutil.ignore_patterns("tokenizer*", "oracle"))
+    (dst / "tokenizer.model").write_bytes(model if model is not None else (SPM / "tokenizer.model").read_bytes())
+    shutil.copy(SPM / "tokenizer_config.json", dst)
+    if config:
+        doc = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**doc, **config}, indent=2))
+    if tokenizer_json is not None:
+        (dst / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    return dst
+
+
 def one_error(proc, code, *needles):
     """The run exited ``code`` with exactly one ``qconv: error:`` line holding every needle; returns it."""
     assert proc.returncode == code, (proc.returncode, proc.stderr)

@@ -141,11 +141,13 @@ def open_gguf(path: Path) -> Component:
                 order[name] = heads
     config["quantization_config"] = {"quant_method": "gguf", "ggml_types": types, "row_order": order,
                                      "decoded": decoded}
-    warnings = (f"{len(decoded)} block-typed tensors outside the decoder layers "
-                f"({', '.join(f'{n}: {k}' for n, k in decoded.items())}) are read as {config['dtype']}, decoded as "
-                f"`qconv dequantize` decodes them (the folder formats keep them float)",) if decoded else ()
+    warnings = [w for w in [garch.tokenizer_warning(g.meta)] if w]
+    if decoded:
+        warnings.append(f"{len(decoded)} block-typed tensors outside the decoder layers "
+                        f"({', '.join(f'{n}: {k}' for n, k in decoded.items())}) are read as {config['dtype']}, "
+                        f"decoded as `qconv dequantize` decodes them (the folder formats keep them float)")
     return Component(name=path.name, path=path, files=header.files or (path,), headers={}, tensors=tensors,
-                     made_files=functools.partial(tokenizer_docs, path), warnings=warnings,
+                     made_files=functools.partial(tokenizer_docs, path), warnings=tuple(warnings),
                      config=config)
 
 
