@@ -228,3 +228,20 @@ def test_llama3_rope_factors_read_back_as_the_rope_scaling(tmp_path):
                  ("convert", tmp_path / "bent.gguf", tmp_path / "out", "--to", "gptq")):
         one_error(run_qconv(*verb), 5, "rope_freqs.weight", "llama-3's rope scaling")
         assert not (tmp_path / "out").exists()
+
+
+def test_float_q_k_windows_read_only_their_heads_rows_in_hugging_face_order(tmp_path):
+    """llama's float q / k in a GGUF, read a window of rows at a time (as dequantize, passthrough and validate
+    read float weights): every window is the folder's own rows, though llama.cpp's rotary order interleaves
+    them within each head."""
+    from qconv.formats.gguf.source import open_gguf
+    from qconv.formats.storage.tensor_io import read_array
+
+    f16 = gguf_of("llama-fp16", tmp_path / "f16.gguf", "--gguf-float")
+    comp = open_gguf(f16)
+    folder = load_file(CHECKPOINTS / "llama-fp16" / "model.safetensors")
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        info, want = comp.tensors[name], folder[name].numpy()
+        n = info.shape[0]
+        for r0, r1 in ((0, n), (0, 1), (3, 5), (n // 3, n // 2 + 7), (n - 1, n)):
+            assert np.array_equal(read_array(info, rows=(r0, r1)), want[r0:r1]), (name, r0, r1)

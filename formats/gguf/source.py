@@ -183,13 +183,17 @@ def decoded_rows(type_name: str, gguf_name: str, info: TensorInfo, rows: tuple[i
 
 def unpermuted_rows(heads: int, code: str, info: TensorInfo, rows: tuple[int, int] | None) -> "np.ndarray":
     """Rows r0:r1 (None: all) of llama's float q / k (stored as ``code``) in Hugging Face order, as
-    info.dtype: its rows interleave per head in llama.cpp's rotary order, so the whole tensor is read and
-    put back (codec.unpermute_rows)."""
+    info.dtype: its rows interleave within each head in llama.cpp's rotary order, so the heads the window
+    touches are read (only their bytes) and put back (codec.unpermute_rows)."""
     from dataclasses import replace
 
     from ..storage.tensor_io import convert_float, read_array
     from . import codec
 
-    whole = codec.unpermute_rows(read_array(replace(info, dtype=code, decode=None)), heads)
-    whole = whole if rows is None else whole[rows[0]:rows[1]]
-    return whole if info.dtype == code else convert_float(whole, code, info.dtype)
+    n = info.shape[0]
+    r0, r1 = rows or (0, n)
+    per = n // heads
+    h0, h1 = r0 // per, -(-r1 // per)
+    part = read_array(replace(info, dtype=code, decode=None), rows=(h0 * per, h1 * per))
+    out = codec.unpermute_rows(part, h1 - h0)[r0 - h0 * per:r1 - h0 * per]
+    return out if info.dtype == code else convert_float(out, code, info.dtype)
