@@ -10,7 +10,8 @@ weight after another, each row ``in / 32`` blocks::
     MXFP4  e: e8m0, qs: u8[16]                           w = kvalues[nibble] * 2^(e - 128)
 
 An integer module w = s * (q - z) (GPTQ, AWQ, compressed-tensors, LLM.int8 with s = SCB / 127) whose every
-32-block lies in one group keeps its codes exactly (the issue's table, measured in tests/test_gguf_writer.py):
+32-block lies in one group keeps its codes exactly (the issue's table, measured in
+tests/formats/gguf/test_gguf_writer.py):
 
 * 8-bit symmetric (z = 128): Q8_0, qs = q - 128, d = s;
 * 4-bit symmetric (z = 8): Q4_0, nibble = q, d = s;

@@ -165,7 +165,7 @@ def run_model(model, ids, log_dir, tag, timeout, worker=None):
         out = Path(log_dir) / f"{tag}{suffix}.json"
         log = Path(log_dir) / f"{tag}{suffix}.log"
         out.unlink(missing_ok=True)
-        # worker: the command that loads one model (tests/test_consumer_harness.py passes stand-ins)
+        # worker: the command that loads one model (tests/consumers/test_consumer_harness.py passes stand-ins)
         cmd = [*(worker or [sys.executable, os.path.abspath(__file__), "--worker"]), str(model), "--ids",
                ",".join(map(str, ids)), "--worker-out", str(out)]
         with open(log, "w") as f:

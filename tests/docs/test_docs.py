@@ -21,7 +21,7 @@ import pytest
 from qconv import errors
 from qconv.cli import EXIT_CODES_HELP, VALIDATE_HELP, cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]

@@ -232,7 +232,7 @@ def test_gguf_magic_without_the_suffix(small, tmp_path):
     assert api_inspect(other).data["gguf"] == summary(read_header(small))
 
 
-# Runs qconv in-process and reports what it loaded and how many bytes it read, as tests/test_inspect_fullsize.py.
+# Runs qconv in-process and reports what it loaded and how many bytes it read, as tests/verbs/test_inspect_fullsize.py.
 PROBE = r"""
 import json, sys
 def report():

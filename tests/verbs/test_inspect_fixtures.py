@@ -24,7 +24,7 @@ def _report(name):
 
 @pytest.mark.parametrize("name", ALL_CHECKPOINTS)
 def test_golden_report(name):
-    """Golden reports were checked by hand once (see tests/golden/README.md). Regenerate with
+    """Golden reports were checked by hand once (see tests/verbs/golden/README.md). Regenerate with
     QCONV_UPDATE_GOLDEN=1 only when a change is intended, and review the diff."""
     result = _report(name)
     result.pop("path")

@@ -1,7 +1,7 @@
 """`qconv dequantize model.gguf DST`: a GGUF back as a Hugging Face folder that transformers loads. The
 GGUFs are qconv's own from the producers' fixtures (llama.cpp's reader and runtime accept them:
-tests/test_gguf_writer.py, tests/test_llamacpp.py), and one written by gguf-py's own quantizer; K-quant
-files made by llama.cpp's quantizer are read in tests/test_llamacpp.py."""
+tests/formats/gguf/test_gguf_writer.py, tests/consumers/test_llamacpp.py), and one written by gguf-py's own
+quantizer; K-quant files made by llama.cpp's quantizer are read in tests/consumers/test_llamacpp.py."""
 
 import json
 

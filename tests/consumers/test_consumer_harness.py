@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "consumers"))
+sys.path.insert(0, str(Path(__file__).parent))          # the harness scripts beside this file
 import vllm_logprobs as harness  # noqa: E402
 
 WORKER = r"""

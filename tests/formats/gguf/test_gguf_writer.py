@@ -292,7 +292,7 @@ def test_llama3_rope_scaling_is_written_as_llama_cpps_rope_factors(tmp_path):
     LlamaModel.generate_extra_tensors writes): one factor per frequency pair, by which llama.cpp divides
     the frequency, so each factor is transformers' default frequency over its llama-3 one (its own
     ROPE_INIT_FUNCTIONS["llama3"]), within float32 rounding; --validate checks it; a rope type qconv
-    does not map is refused by name. llama.cpp's run of such a file: tests/test_llamacpp.py."""
+    does not map is refused by name. llama.cpp's run of such a file: tests/consumers/test_llamacpp.py."""
     import shutil
 
     from transformers import AutoConfig

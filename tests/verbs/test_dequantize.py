@@ -240,8 +240,8 @@ def test_destination_in_source_is_refused(tmp_path, where):
     assert _digest(src) == before
 
 
-# Bad inputs: the inspect cases, through dequantize.
-sys.path.insert(0, os.path.dirname(__file__))
+# Bad inputs: the inspect cases (tests/safety/test_bad_input.py), through dequantize.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "safety"))
 from test_bad_input import CASES  # noqa: E402
 
 

@@ -75,7 +75,7 @@ ARCH = {"qwen2-w4-q4_0": "qwen2", "qwen3-w8-q8_0": "qwen3", "qwen3moe-fp8-requan
         "qwen25vl-bf16-float": "qwen2vl", "qwen3moe-mxfp4-gptoss-kept": "qwen3moe",
         "qwen3moe-bf16-float-f16": "qwen3moe"}
 # Sources whose `qconv dequantize` folder transformers loads as ANOTHER model: qwen3moe-mxfp4-gptoss keeps
-# gpt-oss' interleaved gate / up rows under a qwen3_moe config (tests/test_dequantize.py), which
+# gpt-oss' interleaved gate / up rows under a qwen3_moe config (tests/verbs/test_dequantize.py), which
 # Qwen3MoeExperts reads as gate rows then up rows (measured: logits 1.08 away from the right model). Their
 # float reference is the fixture's oracle/logits.safetensors instead: transformers' Qwen3MoeForCausalLM in
 # float32 with the oracle's experts de-interleaved (fixtures/make_mxfp4_gptoss.py), on the same IDS.
@@ -262,7 +262,7 @@ def test_llama3_rope_factors_are_what_llama_cpp_applies(report):
     model (test_llama_cpp_runs_qconvs_gguf), and the same file with its factors set to 1 is at least twice
     as far from it. These random tiny models are not very sensitive to rope at 12 positions (measured:
     0.017 with the factors, 0.042 without), so the factors' values are checked against transformers' own
-    llama-3 frequencies in tests/test_gguf_writer.py."""
+    llama-3 frequencies in tests/formats/gguf/test_gguf_writer.py."""
     real, control = report["llama3-rope-q8_0"], report["control-rope-freqs"]
     assert "error" not in real and "error" not in control, (real, control)
     assert control["max_abs_logprob_diff"] > 2 * real["max_abs_logprob_diff"], (real, control)

@@ -265,7 +265,7 @@ def test_pipeline_and_determinism_and_source_untouched(tmp_path):
 def test_bad_input_leaves_no_destination(tmp_path, case):
     import os
     import sys
-    sys.path.insert(0, os.path.dirname(__file__))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "safety"))
     from test_bad_input import CASES
 
     make, code = CASES[case]

@@ -1,9 +1,9 @@
 """A GGUF file as a source of convert and validate (formats/gguf/source.py, the "gguf" family): Q8_0,
 Q4_0, Q5_0 and MXFP4 blocks keep their codes into every target, other block types (gguf-py's own Q5_1
-here; llama.cpp's K-quants in tests/test_llamacpp.py) are requantized from their decoding with the error
-reported, GGUF -> GGUF gives every tensor back byte for byte, and `qconv validate` pairs a Hugging Face
-folder with a GGUF layer by layer. The GGUFs are qconv's own from the producers' fixtures (llama.cpp reads
-and runs them: tests/test_llamacpp.py)."""
+here; llama.cpp's K-quants in tests/consumers/test_llamacpp.py) are requantized from their decoding with
+the error reported, GGUF -> GGUF gives every tensor back byte for byte, and `qconv validate` pairs a Hugging
+Face folder with a GGUF layer by layer. The GGUFs are qconv's own from the producers' fixtures (llama.cpp reads
+and runs them: tests/consumers/test_llamacpp.py)."""
 
 import json
 

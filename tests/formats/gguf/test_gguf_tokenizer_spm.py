@@ -7,7 +7,7 @@ weights (vocab_size 512) in a temporary folder without that fixture's tokenizer.
 sentencepiece's own API on the same model, against llama.cpp's converter (convert_hf_to_gguf.py
 --vocab-only from llama-cpp-python's sdist) on the same folder where that sdist is on this machine, and
 bad files are refused in one line with nothing written. llama.cpp tokenizing with the written vocabulary:
-tests/test_llamacpp.py.
+tests/consumers/test_llamacpp.py.
 """
 
 from __future__ import annotations
