@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from qconv.formats.storage.safetensors_header import encode_header
 
@@ -240,3 +241,68 @@ def assert_same_tokenizer(folder: Path, fixture: str) -> None:
     for text in ["hello world, this is a test 123", "  The quick brown fox\n\njumps!", "<s>ab</s> é 漢字"]:
         assert ours(text)["input_ids"] == theirs(text)["input_ids"], text
     assert (ours.bos_token, ours.eos_token) == (theirs.bos_token, theirs.eos_token)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Helpers shared across folders: by the family tests tests/formats/bnb/test_bnb.py and
+# tests/formats/gptq/test_gptq.py, and by tests/formats/core/test_properties.py,
+# tests/verbs/test_inspect_fixtures.py and tests/verbs/test_convert.py.
+
+# Property tests: derandomize, no example database: the same examples on every machine and every run,
+# whatever the environment (a CI variable would otherwise switch Hypothesis's profile) and the working
+# folder hold.
+PROPS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+def random_weights(out, inp, dtype, seed):
+    """A seeded random [out, inp] weight with heavy-tailed columns, as the torch dtype named ``dtype``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=g) * 0.05
+    w[:, torch.randint(0, inp, (max(1, inp // 16),), generator=g)] *= 20     # heavy-tailed columns
+    return w.to(getattr(torch, dtype))
+
+
+def read_only_module(path):
+    """qconv's read (float16) of the one quantized module of the checkpoint at path."""
+    from qconv.formats.core.detect import detect
+    from qconv.formats.core.reader import read_module
+    from qconv.formats.storage.checkpoint import open_target
+
+    comp = open_target(path).components[0]
+    det = detect(comp)
+    (m,) = det.modules
+    return read_module(comp, det, m, "float16")
+
+
+def inspect_report(name):
+    """`qconv inspect --json` of the fixture ``name``, which names its path."""
+    result = inspect_json(CHECKPOINTS / name)
+    assert result["path"] == str(CHECKPOINTS / name)
+    return result
+
+
+def provenance(name):
+    """The fixture's oracle/PROVENANCE.json: its producer and the settings it was asked for."""
+    return json.loads((CHECKPOINTS / name / "oracle" / "PROVENANCE.json").read_text())
+
+
+def run_convert(src, dst, *args):
+    """`qconv convert SRC DST ARGS...` (`qconv bnb8-to-gptq ARGS... SRC DST` where args start with that
+    verb), which must succeed."""
+    proc = run_qconv(*args, src, dst, check=0) if args and args[0] == "bnb8-to-gptq" else \
+        run_qconv("convert", src, dst, *args, check=0)
+    return proc
+
+
+def model_logits(path, ids, vlm=False, **kwargs):
+    """The model at path, loaded by transformers on the CPU, and its float32 logits for ids."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    cls = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+    model = cls.from_pretrained(path, device_map="cpu", **kwargs)
+    with torch.no_grad():
+        return model, model(input_ids=ids).logits.float()

@@ -1,6 +1,7 @@
 """`qconv convert` / `qconv bnb8-to-gptq`: lossless paths keep every code, round trips are
 byte-identical, and what qconv writes loads in the real consumers (transformers with auto-round's CPU
-kernels for GPTQ and auto-round, transformers with bitsandbytes for bnb8)."""
+kernels for GPTQ and auto-round, transformers with bitsandbytes for bnb8). The bitsandbytes 4-bit target
+writing bitsandbytes' own bytes and double quantization: tests/formats/bnb/test_bnb.py."""
 
 import hashlib
 import json
@@ -10,14 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CHECKPOINTS, inspect_json, run_qconv, load_tensors
-
-
-def _convert(src, dst, *args):
-    proc = run_qconv(*args, src, dst, check=0) if args and args[0] == "bnb8-to-gptq" else \
-        run_qconv("convert", src, dst, *args, check=0)
-    return proc
-
+from conftest import CHECKPOINTS, load_tensors, model_logits as _logits, run_convert as _convert, run_qconv
 
 
 def _unpack8(qweight):
@@ -54,15 +48,6 @@ def test_bnb8_to_gptq_keeps_codes_exactly(tmp_path, name):
     assert "meta" not in qc
     assert report["scales"] == sum(src[m + ".SCB"].numel() for m in modules)
     assert 0 < report["max_scale_rel_error"] <= 2**-11                 # fp16 rounding, reported
-
-
-def _logits(path, ids, vlm=False, **kwargs):
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    cls = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
-    model = cls.from_pretrained(path, device_map="cpu", **kwargs)
-    with torch.no_grad():
-        return model, model(input_ids=ids).logits.float()
 
 
 # What qconv writes must run in the consumers. The comparison is with the same weights dequantized to
@@ -277,30 +262,6 @@ def test_bad_input_leaves_no_destination(tmp_path, case):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
 
 
-def test_bnb4_repack_writes_bitsandbytes_own_bytes(tmp_path):
-    """Same format in, same format out: every tensor qconv writes, quant_state JSON included, is byte for
-    byte what bitsandbytes wrote; changing storage dtype or dropping double quant keeps every value."""
-    src = CHECKPOINTS / "llama-bnb4-nf4-dq"
-    _convert(src, tmp_path / "same", "--to", "bnb4-nf4")
-    original, same = load_tensors(src), load_tensors(tmp_path / "same")
-    assert original.keys() == same.keys()
-    assert all(torch.equal(original[k], same[k]) and original[k].dtype == same[k].dtype for k in original)
-    _convert(src, tmp_path / "other", "--to", "bnb4-nf4", "--quant-storage", "bfloat16", "--no-double-quant")
-    other = load_tensors(tmp_path / "other")
-    assert other["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
-    assert "model.layers.0.mlp.up_proj.weight.nested_absmax" not in other
-    for name in ("same", "other"):
-        run_qconv("dequantize", "--dtype", "float16", tmp_path / name, tmp_path / f"{name}-deq", check=0)
-    assert all(torch.equal(v, load_tensors(tmp_path / "same-deq")[k]) for k, v in load_tensors(tmp_path / "other-deq").items())
-    # Run against the producer's own file in this process, not the stored oracle: on CPUs with
-    # AVX512-BF16 Linear4bit runs a packed bf16 kernel (bitsandbytes/nn/modules.py, Linear4bit.forward),
-    # elsewhere another; the same values give the same logits on either, so the bound is float32 noise.
-    ids = load_file(src / "oracle" / "logits.safetensors")["input_ids"]
-    _, theirs = _logits(src, ids)
-    _, logits = _logits(tmp_path / "other", ids)
-    assert ((logits - theirs).norm() / theirs.norm()).item() < 1e-5
-
-
 @pytest.mark.parametrize("name, to", [("llama-gptq-w4g128-actorder", "bnb4-nf4"), ("llama-bnb8", "bnb4-fp4")])
 def test_requantized_bnb4_runs_in_bitsandbytes(tmp_path, name, to):
     """int -> nf4/fp4: a per-block scale search, never worse than bitsandbytes' own rule (scale = block
@@ -323,33 +284,6 @@ def test_requantized_bnb4_runs_in_bitsandbytes(tmp_path, name, to):
     # in the model's dtype elsewhere: bounded by bf16's rounding of activations and weights (2^-8 each,
     # compounded over two layers), as test_convert_edge does; a wrong code moves logits by tens of percent.
     assert ((logits - ref).norm() / ref.norm()).item() < BF16_KERNEL_TOLERANCE
-
-
-def test_new_double_quantization_is_read_by_bitsandbytes_as_written(tmp_path):
-    """qconv's own double quantization (for --double-quant on a source without it): bitsandbytes'
-    QuantState.from_dict + dequantize_4bit on the written tensors gives what qconv reads back."""
-    import bitsandbytes.functional as F
-    from bitsandbytes.functional import QuantState, create_dynamic_map
-    from qconv.formats.bnb.codec import DYNAMIC_MAP
-
-    assert np.array_equal(DYNAMIC_MAP.view(np.uint32), create_dynamic_map(signed=True).numpy().view(np.uint32))
-    out, deq = tmp_path / "dq", tmp_path / "deq"
-    report = json.loads(_convert(CHECKPOINTS / "llama-bnb4-fp4", out, "--to", "bnb4-fp4", "--double-quant",
-                                 "--json").stdout)["components"][0]
-    assert all(r["reason"] == "block absmax gets double-quantized" for r in report["layers"])
-    # The config says what the tensors hold (it used to say False beside nested tensors, and inspect
-    # warned about its own output).
-    assert json.loads((out / "config.json").read_text())["quantization_config"]["bnb_4bit_use_double_quant"] is True
-    assert inspect_json(out)["components"][0]["warnings"] == []
-    run_qconv("dequantize", "--dtype", "float16", out, deq, check=0)
-    written, ours = load_tensors(out), load_tensors(deq)
-    for module in ("model.layers.0.mlp.down_proj", "model.layers.1.self_attn.k_proj"):
-        prefix = module + ".weight."
-        state = {k[len(prefix):]: v for k, v in written.items() if k.startswith(prefix)}
-        qs = QuantState.from_dict(state, device=torch.device("cpu"))
-        assert qs.nested
-        theirs = F.dequantize_4bit(written[module + ".weight"], qs)
-        assert torch.equal(theirs, ours[module + ".weight"]), module
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])

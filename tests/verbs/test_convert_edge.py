@@ -1,6 +1,6 @@
 """Conversion edge cases of issue 10 (items 9, 11, 12, 14) on real fixtures: ordinary inputs that must
 get a clear answer, never an internal error (exit 70); unquantized sources quantized data-free and
-loaded by the consumers; GPTQ's g_idx kept as GPTQ producers write it."""
+loaded by the consumers. GPTQ's g_idx kept as GPTQ producers write it: tests/formats/gptq/test_gptq.py."""
 
 import json
 import math
@@ -10,39 +10,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import CHECKPOINTS, one_error as _one_error, run_qconv
-
-GPTQMODEL = ["llama-gptq-w2g128", "llama-gptq-w3g128", "llama-gptq-w4g128-actorder", "llama-gptq-w4g64-asym",
-             "llama-gptq-w8g128"]
-
-
-def _tensor_bytes(path):
-    return {k: (str(v.dtype), tuple(v.shape), v.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-            for k, v in load_file(path).items()}
-
-
-@pytest.mark.parametrize("name", GPTQMODEL)
-def test_gptq_v2_and_back_is_byte_identical_g_idx_included(tmp_path, name):
-    """GPTQModel writes g_idx for every layer; v1 -> v2 -> v1 gives back every tensor byte for byte."""
-    run_qconv("convert", CHECKPOINTS / name, tmp_path / "v2", "--to", "gptq-v2", check=0)
-    run_qconv("convert", tmp_path / "v2", tmp_path / "v1", "--to", "gptq", check=0)
-    source = _tensor_bytes(CHECKPOINTS / name / "model.safetensors")
-    assert any(k.endswith(".g_idx") for k in source)
-    assert _tensor_bytes(tmp_path / "v1" / "model.safetensors") == source
-
-
-def test_gptq_targets_write_g_idx_as_gptq_producers_do(tmp_path):
-    """bnb8-to-gptq (per-row groups): g_idx is all zeros, one per input feature, int32; a GPTQ 4-bit g64
-    target: g_idx[i] = i // 64, which is what GPTQModel's own fixture stores."""
-    run_qconv("bnb8-to-gptq", CHECKPOINTS / "llama-bnb8", tmp_path / "g8", check=0)
-    out = load_file(tmp_path / "g8" / "model.safetensors")
-    q = "model.layers.0.self_attn.q_proj"
-    assert out[f"{q}.g_idx"].dtype == torch.int32
-    assert torch.equal(out[f"{q}.g_idx"], torch.zeros(out[f"{q}.qweight"].shape[0] * 4, dtype=torch.int32))
-    run_qconv("convert", CHECKPOINTS / "llama-bnb4-nf4-dq", tmp_path / "g4", "--to", "gptq", "--group-size", "64",
-              check=0)
-    ours = load_file(tmp_path / "g4" / "model.safetensors")[f"{q}.g_idx"]
-    theirs = load_file(CHECKPOINTS / "llama-gptq-w4g64-asym" / "model.safetensors")[f"{q}.g_idx"]
-    assert torch.equal(ours, theirs)
 
 
 # Data-free quantization of an unquantized source: every Linear of the decoder stacks, nothing else, with

@@ -1,5 +1,7 @@
 """`qconv inspect` on every reference checkpoint: golden reports, and cross-checks against what the
-producers themselves say (their oracles, their settings, and the model transformers loads)."""
+producers themselves say (their oracles). GPTQ's and bitsandbytes' settings against what their producers
+were asked for, and bitsandbytes' against the model transformers loads: tests/formats/gptq/test_gptq.py,
+tests/formats/bnb/test_bnb.py."""
 
 import ast
 import json
@@ -11,15 +13,10 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from conftest import ALL_CHECKPOINTS, CHECKPOINTS, QUANTIZED, inspect_json, run_qconv
+from conftest import (ALL_CHECKPOINTS, CHECKPOINTS, QUANTIZED, inspect_json, inspect_report as _report,
+                      provenance as _provenance, run_qconv)
 
 GOLDEN = Path(__file__).parent / "golden"
-
-
-def _report(name):
-    result = inspect_json(CHECKPOINTS / name)
-    assert result["path"] == str(CHECKPOINTS / name)
-    return result
 
 
 @pytest.mark.parametrize("name", ALL_CHECKPOINTS)
@@ -32,10 +29,6 @@ def test_golden_report(name):
     if os.environ.get("QCONV_UPDATE_GOLDEN"):
         golden.write_text(json.dumps(result, indent=2) + "\n")
     assert result == json.loads(golden.read_text())
-
-
-def _provenance(name):
-    return json.loads((CHECKPOINTS / name / "oracle" / "PROVENANCE.json").read_text())
 
 
 def _expected_scheme(name, module):
@@ -81,57 +74,6 @@ def test_modules_and_counts_match_the_producer_oracle(name):
     assert report["quantized_parameters"] == expected_params
     for names in report["quantized_modules"].values():          # natural order: layers.2 < layers.10
         assert names == sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
-
-
-@pytest.mark.parametrize("name", ["llama-gptq-w2g128", "llama-gptq-w3g128", "llama-gptq-w4g128-actorder",
-                                  "llama-gptq-w4g64-asym", "llama-gptq-w8g128",
-                                  "llama-autoround-w4g128-mixed8", "llama-autoround-w8g128"])
-def test_gptq_settings_match_provenance(name):
-    (report,) = _report(name)["components"]
-    s = _provenance(name)["settings"]
-    assert report["bits"] == int(s["bits"])
-    assert report["group_size"] == int(s["group_size"])
-    assert report["sym"] == (s["sym"] == "True")
-    assert report["desc_act"] == (s.get("desc_act") == "True")
-    assert report["zero_point"] == "stored z-1 (v1)"   # GPTQModel "gptq" and auto_round:auto_gptq
-    if report["method"] == "auto-round":
-        assert report["packing_format"] == s["format"]
-    else:
-        assert report["method"] == "GPTQ" and report["checkpoint_format"] == "gptq"
-
-
-@pytest.mark.parametrize("name", ["llama-bnb4-fp4", "llama-bnb4-nf4-dq", "llama-bnb4-nf4-bf16storage"])
-def test_bnb4_settings_match_provenance(name):
-    (report,) = _report(name)["components"]
-    s = _provenance(name)["settings"]
-    assert report["method"] == "bitsandbytes 4-bit"
-    assert report["quant_type"] == s["bnb_4bit_quant_type"]
-    assert report["double_quant"] == (s["bnb_4bit_use_double_quant"] == "True")
-    assert report["quant_storage"] == s.get("bnb_4bit_quant_storage", "torch.uint8").split(".")[-1]
-    assert report["blocksize"] == 64                      # bitsandbytes 0.50's default (FORMATS §2.5)
-
-
-@pytest.mark.parametrize("name", ["llama-bnb8", "qwen3vl-bnb8-skipvisual", "llama-bnb4-fp4",
-                                  "llama-bnb4-nf4-dq", "llama-bnb4-nf4-bf16storage"])
-def test_bnb_parameter_dtypes_equal_named_parameters_of_the_loaded_model(name):
-    """Load the checkpoint with transformers + bitsandbytes on CPU: named_parameters() per dtype, and
-    the set of Linear8bitLt / Linear4bit modules, must be what inspect read from the headers."""
-    import bitsandbytes as bnb
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoModelForCausalLM
-
-    (report,) = _report(name)["components"]
-    cls = AutoModelForImageTextToText if name.startswith("qwen3vl") else AutoModelForCausalLM
-    model = cls.from_pretrained(CHECKPOINTS / name, device_map="cpu")
-    counts: dict = {}
-    for _, p in model.named_parameters():
-        counts[str(p.dtype)] = counts.get(str(p.dtype), 0) + p.numel()
-    assert report["parameter_dtypes"] == dict(sorted(counts.items()))
-    quantized = sorted(n for n, m in model.named_modules()
-                       if isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)))
-    listed = sorted(m for mods in report["quantized_modules"].values() for m in mods)
-    assert listed == quantized
-    del model, torch
 
 
 def test_pipeline_reports_each_weight_component_under_its_folder_name():
