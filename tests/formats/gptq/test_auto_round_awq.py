@@ -12,7 +12,8 @@ them (registry.auto_round_packing), decided from the negotiated specs before any
 
 Consumers: auto-round's own AWQ dequantization (always); transformers with auto-round-lib's CPU kernels
 (`.venv-ark`, made by bin/setup test) for auto_awq, and with auto-round's torch kernel for plain
-`auto_round`; vLLM's CPU build (`.venv-vllm`) for auto_awq. Without auto-round-lib, auto-round 0.16.1 on
+`auto_round`; vLLM's CPU build for auto_awq (the `auto-round-awq-from-gptq-asym` case of
+tests/test_vllm_cpu.py, with the other vLLM cases in one run). Without auto-round-lib, auto-round 0.16.1 on
 CPU picks its `auto_round:fake` backend for auto_awq, which expects float weights: transformers reports
 every qweight / qzeros / scales UNEXPECTED and weight MISSING, and the forward pass raises
 "TypeError: unsupported operand type(s) for +: 'NoneType' and 'str'" (auto_round/data_type/utils.py
@@ -29,14 +30,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import CHECKPOINTS, REPO, load_tensors, report_crashes, run_qconv
+from conftest import CHECKPOINTS, REPO, load_tensors, run_qconv
 from qconv.formats.storage.checkpoint import open_target
 from qconv.formats.core.ir import QuantSpec
 from qconv.formats.core.reader import read_module, require_decodable
 from qconv.formats.core.registry import target
 
 ARK = REPO / ".venv-ark"
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 ASYM4 = ["llama-gptq-w4g64-asym", "llama-awq-w4g128", "llama-ct-w4a16-asym"]
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 Q = "model.layers.0.self_attn.q_proj"
@@ -461,23 +461,3 @@ def test_auto_awq_runs_in_auto_round_lib_cpu_kernels(tmp_path, source):
     assert _rel(logits["fp32"], ref) < 1e-4
     assert _rel(logits["shipped"], ref) < ARK_AUTO_TOLERANCE
     assert _rel(logits["shifted"], ref) > 3 * ARK_AUTO_TOLERANCE
-
-
-@pytest.mark.vllm
-@pytest.mark.consumer(VLLM_PYTHON, "vLLM's CPU build (.venv-vllm)")
-def test_auto_awq_runs_in_vllm_cpu(tmp_path):
-    """vLLM's CPU build loads the auto_awq output (quant_method inc) and gives its own float
-    dequantization's next-token log-probabilities (tests/consumers/vllm_logprobs.py; measured 0.015,
-    tolerance 0.1). About 100 s on 2 cores."""
-    out, flat = tmp_path / "ar", tmp_path / "float"
-    _convert(CHECKPOINTS / "llama-gptq-w4g64-asym", out, "--to", "auto-round")
-    run_qconv("dequantize", out, flat, check=0)
-    report = tmp_path / "vllm.json"
-    proc = subprocess.run([str(VLLM_PYTHON), str(REPO / "tests" / "consumers" / "vllm_logprobs.py"), "--out",
-                           str(report), "--timeout", "400", str(out), str(flat)],
-                          capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
-    assert report.is_file(), proc.stderr[-3000:]
-    (pair,) = json.loads(report.read_text())["pairs"]
-    report_crashes("auto_awq", pair)
-    assert pair["loaded"] and pair["quant_method"] == "inc", pair.get("error")
-    assert pair["matched"], {k: pair.get(k) for k in ("max_abs_logprob_diff", "top1_mismatches")}
