@@ -125,7 +125,7 @@ PAIRS = [
     Pair("awq-w4g128-from-bnb8", qconv("llama-bnb8", "convert", "--to", "awq", "--bits", "4", "--group-size", "128"),
          needs="awq", kernel=W4, elsewhere=LC),
     # auto-round of an asymmetric 4-bit GPTQ: auto_round:auto_awq, quant_method "inc" in vLLM
-    # (tests/test_auto_round_awq.py: the same AWQ words as --to awq; transformers runs it with auto-round-lib)
+    # (tests/formats/gptq/test_auto_round_awq.py: the same AWQ words as --to awq; transformers runs it with auto-round-lib)
     Pair("auto-round-awq-from-gptq-asym", qconv("llama-gptq-w4g64-asym", "convert", "--to", "auto-round"),
          needs="auto-round", kernel=W4, elsewhere=LC),
     # an FP8 release made runnable where FP8 has no kernel (issue 17): vLLM CPU 0.32 on an AVX-512 machine
@@ -257,7 +257,7 @@ IDS = [1, 5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37]      # the fixtures' oracle p
 # float16 arithmetic (measured below 0.6 %, test_convert_serve.py; a zero point off by one: ~30 %).
 TRANSFORMERS_REL = 0.01
 # llama.cpp runs the output's GGUF (every code kept, qconv's --to gguf) with 8-bit activations:
-# tests/test_llamacpp.py's bound on log-probabilities, from its measurements (code-kept files 0.012-0.046).
+# tests/consumers/test_llamacpp.py's bound on log-probabilities, from its measurements (code-kept files 0.012-0.046).
 LLAMACPP_TOLERANCE = 0.1
 ELSEWHERE = [p for p in PAIRS if p.kernel == W4 and p.elsewhere]
 
@@ -313,7 +313,7 @@ def test_w4a16_outputs_run_in_another_consumer(pair, folders, llamacpp_logits):
     build included: transformers loads the folder itself and matches its float twin, or, where
     transformers cannot load it (compressed-tensors asymmetric: a zero-point shape mismatch in
     transformers 5.23, the producer's own file too; AWQ GEMM: needs GPTQModel; auto_round:auto_awq: needs
-    auto-round-lib, tests/test_auto_round_awq.py), llama.cpp runs its GGUF, every code kept, and matches
+    auto-round-lib, tests/formats/gptq/test_auto_round_awq.py), llama.cpp runs its GGUF, every code kept, and matches
     the float twin's log-probabilities."""
     quantized, flt = folders[pair.name]
     reference = _transformers_logits(flt, quantized=False)

