@@ -19,6 +19,7 @@ as the quantized side and builds its float side from oracle/dequant.safetensors.
 """
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -197,7 +198,9 @@ def vllm_report(folders, request):
     .pytest_cache/d/vllm-cpu/ (tmp_path is removed soon on a busy machine)."""
     cache = getattr(request.config, "cache", None)
     keep = Path(cache.mkdir("vllm-cpu")) if cache is not None else Path(folders[PAIRS[0].name][0]).parent
-    report = run_harness(list(folders.values()), keep / "run")
+    # bin/test avx2 (QCONV_TEST_ISA=avx2): vLLM's AVX2 library, as a CPU without AVX-512 loads it
+    isa = ["--isa", "avx2"] if os.environ.get("QCONV_TEST_ISA") == "avx2" else []
+    report = run_harness(list(folders.values()), keep / "run", *isa)
     return {"tolerance": report["tolerance"], "probe": report["probe"],
             "pairs": dict(zip(folders, report["pairs"]))}
 
