@@ -171,6 +171,61 @@ def pytest_runtest_setup(item):
             pytest.skip(message)
 
 
+def compare_logprobs(got, ref, tolerance: float) -> dict:
+    """Two runs' logits [positions, vocab] compared as next-token log-probabilities: the max |difference|
+    over each position's top 5 tokens in ``ref``; top-1 agreement; and the top-1 flips that are not
+    near-ties (``ref``'s gap between its top token and ``got``'s exceeds ``tolerance``: the tiny random
+    fixtures have positions whose two best tokens are 0.00x apart)."""
+    import numpy as np
+
+    def log_softmax(x):
+        x = np.asarray(x, np.float64)
+        x = x - x.max(axis=-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+    a, b = log_softmax(got), log_softmax(ref)
+    top = np.argsort(-b, axis=1)[:, :5]
+    diff = np.abs(np.take_along_axis(a, top, 1) - np.take_along_axis(b, top, 1)).max()
+    ours, theirs = a.argmax(1), b.argmax(1)
+    rows = np.arange(len(ours))
+    gaps = b[rows, theirs] - b[rows, ours]
+    return {"max_abs_logprob_diff": float(diff), "top1": float((ours == theirs).mean()),
+            "real_flips": int((gaps > tolerance).sum())}
+
+
+SLOW = REPO / "tests" / "slow.txt"
+
+
+def _slow_tests() -> set[tuple[str, str]]:
+    """(test file relative to the repository, function) of every entry of tests/slow.txt."""
+    out = set()
+    for line in SLOW.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            path, _, function = line.strip().partition("::")
+            out.add((path, function))
+    return out
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark tests/slow.txt's functions `slow` (the unit tier, bin/test unit, leaves them out); an entry
+    naming a function its file does not define is an error, so the list cannot go stale silently."""
+    slow = _slow_tests()
+    modules = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None:
+            continue
+        rel = Path(module.__file__).resolve().relative_to(REPO).as_posix()
+        modules[rel] = module
+        if (rel, item.originalname) in slow:
+            item.add_marker(pytest.mark.slow)
+    stale = [f"{path}::{function}" for path, function in sorted(slow)
+             if path in modules and not hasattr(modules[path], function)]
+    if stale:
+        raise pytest.UsageError(f"tests/slow.txt names test functions that do not exist: {', '.join(stale)}")
+
+
 @pytest.fixture
 def tmp_checkpoint(tmp_path):
     return lambda name: copy_checkpoint(name, tmp_path)

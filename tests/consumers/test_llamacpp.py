@@ -29,7 +29,7 @@ import gguf
 import numpy as np
 import pytest
 
-from conftest import CHECKPOINTS, REPO, run_qconv
+from conftest import CHECKPOINTS, REPO, compare_logprobs, run_qconv
 
 LLAMA_PYTHON = REPO / ".venv-llamacpp" / "bin" / "python"
 SCRIPT = REPO / "tests" / "consumers" / "llamacpp_logits.py"
@@ -82,12 +82,6 @@ ARCH = {"qwen2-w4-q4_0": "qwen2", "qwen3-w8-q8_0": "qwen3", "qwen3moe-fp8-requan
 ORACLE_REFERENCE = {"qwen3moe-mxfp4-gptoss"}
 
 
-def log_softmax(x):
-    x = np.asarray(x, np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
 def float_logits(folder):
     """transformers' logits of the float model at `folder`, in float32 (a VL model: on text alone)."""
     import torch
@@ -106,20 +100,6 @@ def oracle_logits(src):
     oracle = load_file(CHECKPOINTS / src / "oracle" / "logits.safetensors")
     assert oracle["input_ids"].tolist() == [IDS]
     return oracle["logits"][0].astype(np.float32)
-
-
-def compare(got, ref) -> dict:
-    """max |log-prob difference| over each position's float top-5; top-1 agreement; and the top-1 flips
-    that are not near-ties (the float run's gap between its top token and llama.cpp's exceeds TOLERANCE):
-    this tiny random model has positions whose two best tokens are 0.00x apart."""
-    a, b = log_softmax(got), log_softmax(ref)
-    top = np.argsort(-b, axis=1)[:, :5]
-    diff = np.abs(np.take_along_axis(a, top, 1) - np.take_along_axis(b, top, 1)).max()
-    ours, theirs = a.argmax(1), b.argmax(1)
-    rows = np.arange(len(ours))
-    gaps = b[rows, theirs] - b[rows, ours]
-    return {"max_abs_logprob_diff": float(diff), "top1": float((ours == theirs).mean()),
-            "real_flips": int((gaps > TOLERANCE).sum())}
 
 
 def source(src, tmp):
@@ -211,7 +191,7 @@ def report(tmp_path_factory):
     for case, path in files.items():
         entry = result[str(path)]
         table[case] = entry if "logits" not in entry else {
-            **compare(np.array(entry["logits"]), refs[sources[case]]), "arch": entry["arch"]}
+            **compare_logprobs(np.array(entry["logits"]), refs[sources[case]], TOLERANCE), "arch": entry["arch"]}
     print(json.dumps({k: {kk: v for kk, v in e.items() if kk != "stderr"} for k, e in table.items()}, indent=1))
     table["converted"] = {"paths": {case: str(path) for case, path in files.items()}, "reports": converted}
     return table

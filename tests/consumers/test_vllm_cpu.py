@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import CHECKPOINTS, REPO, report_crashes, run_qconv
+from conftest import CHECKPOINTS, REPO, compare_logprobs, report_crashes, run_qconv
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 SCRIPT = REPO / "tests" / "consumers" / "vllm_logprobs.py"
@@ -281,12 +281,6 @@ def _transformers_logits(folder, quantized):
         return model(input_ids=torch.tensor([IDS])).logits[0].float().numpy()
 
 
-def _log_softmax(x):
-    x = np.asarray(x, np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
 @pytest.fixture(scope="module")
 def llamacpp_logits(folders, tmp_path_factory):
     """llama.cpp's logits for the GGUF of every 'llamacpp' output (--to gguf, every code kept), in one
@@ -327,9 +321,5 @@ def test_w4a16_outputs_run_in_another_consumer(pair, folders, llamacpp_logits):
         return
     result = llamacpp_logits[pair.name]
     assert "logits" in result, result.get("error")
-    a, b = _log_softmax(result["logits"]), _log_softmax(reference)
-    top = np.argsort(-b, axis=1)[:, :5]
-    diff = np.abs(np.take_along_axis(a, top, 1) - np.take_along_axis(b, top, 1)).max()
-    rows = np.arange(len(a))
-    real_flips = int(((b[rows, b.argmax(1)] - b[rows, a.argmax(1)]) > LLAMACPP_TOLERANCE).sum())
-    assert diff <= LLAMACPP_TOLERANCE and real_flips == 0, (diff, real_flips)
+    compared = compare_logprobs(np.array(result["logits"]), reference, LLAMACPP_TOLERANCE)
+    assert compared["max_abs_logprob_diff"] <= LLAMACPP_TOLERANCE and compared["real_flips"] == 0, compared

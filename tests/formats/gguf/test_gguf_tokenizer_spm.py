@@ -5,7 +5,7 @@ The tokenizer is fixtures/tokenizers/llama-spm (a real BPE model with byte fallb
 trained by the sentencepiece trainer: fixtures/make_spm_tokenizer.py), paired with llama-gptq-w8g128's
 weights (vocab_size 512) in a temporary folder without that fixture's tokenizer.json. Checked against
 sentencepiece's own API on the same model, against llama.cpp's converter (convert_hf_to_gguf.py
---vocab-only from llama-cpp-python's sdist) on the same folder where that sdist is on this machine, and
+--vocab-only, from the llama-cpp-python sdist bin/setup llamacpp keeps in .venv-llamacpp/src) on the same folder, and
 bad files are refused in one line with nothing written. llama.cpp tokenizing with the written vocabulary:
 tests/consumers/test_llamacpp.py.
 """
@@ -23,12 +23,13 @@ import gguf
 import numpy as np
 import pytest
 
-from conftest import CHECKPOINTS, FIXTURES, SPM, one_error, run_qconv, spm_folder
+from conftest import CHECKPOINTS, FIXTURES, REPO, SPM, one_error, run_qconv, spm_folder
 
 sentencepiece = pytest.importorskip("sentencepiece")
 
 WEIGHTS = "llama-gptq-w8g128"
-LLAMACPP = Path.home() / ".cache" / "qconv" / "sdist" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+# llama.cpp's own converter, from the sdist bin/setup llamacpp builds the bindings from and keeps extracted
+LLAMACPP = REPO / ".venv-llamacpp" / "src" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 
@@ -141,8 +142,7 @@ def _converter(src: Path, dst: Path) -> dict:
 BEYOND_CONVERTER = {"tokenizer.ggml.add_space_prefix": True, "tokenizer.ggml.unknown_token_id": 0}
 
 
-@pytest.mark.skipif(not (LLAMACPP / "convert_hf_to_gguf.py").is_file(), reason="llama-cpp-python's sdist is not "
-                    "extracted here (bin/setup llamacpp)")
+@pytest.mark.consumer(LLAMACPP / "convert_hf_to_gguf.py", "llama.cpp's converter (bin/setup llamacpp)")
 @pytest.mark.parametrize("variant", ["plain", "added-and-padded"])
 def test_gguf_vocab_is_llama_cpp_converters(tmp_path, variant):
     """The same folder through llama.cpp's own converter (--vocab-only: _set_vocab_sentencepiece and
