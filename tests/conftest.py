@@ -361,3 +361,36 @@ def model_logits(path, ids, vlm=False, **kwargs):
     model = cls.from_pretrained(path, device_map="cpu", **kwargs)
     with torch.no_grad():
         return model, model(input_ids=ids).logits.float()
+
+
+# The fixtures are the producers' files and the source of every test: a test that writes beside them (a
+# report, a log, a converted folder) changes what later tests and a rerun read. The tree is listed
+# (path, size, mtime) when the session starts and compared when it ends; any change fails the session,
+# naming the paths. Only the controlling process checks (pytest-xdist's workers share the tree).
+def _fixture_listing() -> dict[str, tuple[int, int]]:
+    out = {}
+    for path in FIXTURES.rglob("*"):
+        if "__pycache__" in path.parts:
+            continue
+        st = path.lstat()
+        out[path.relative_to(REPO).as_posix()] = (st.st_size, st.st_mtime_ns) if path.is_file() else (0, 0)
+    return out
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):
+        session.config._qconv_fixtures = _fixture_listing()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before = getattr(session.config, "_qconv_fixtures", None)
+    if before is None:
+        return
+    after = _fixture_listing()
+    changed = sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+    if changed:
+        shown = ", ".join(changed[:10]) + (f" and {len(changed) - 10} more" if len(changed) > 10 else "")
+        session.config.get_terminal_writer().line(
+            f"tests changed fixtures/ (tests must write under tmp_path, never beside the fixtures): {shown}",
+            red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -192,15 +192,23 @@ def run_harness(pairs, keep: Path, *options):
     return report
 
 
-@pytest.fixture(scope="module")
-def vllm_report(folders, request):
-    """The harness once on every pair. The report and the worker's log are kept in
-    .pytest_cache/d/vllm-cpu/ (tmp_path is removed soon on a busy machine)."""
+def keep_dir(request, tmp_path_factory, name):
+    """Where the harness's report and worker logs stay: .pytest_cache/d/vllm-cpu/NAME (tmp_path is removed
+    soon on a busy machine); under pytest's temporary root when the cache is off (-p no:cacheprovider),
+    never beside the fixtures."""
     cache = getattr(request.config, "cache", None)
-    keep = Path(cache.mkdir("vllm-cpu")) if cache is not None else Path(folders[PAIRS[0].name][0]).parent
+    if cache is not None:
+        return Path(cache.mkdir("vllm-cpu")) / name
+    return tmp_path_factory.mktemp("vllm-cpu") / name
+
+
+@pytest.fixture(scope="module")
+def vllm_report(folders, request, tmp_path_factory):
+    """The harness once on every pair; report and logs kept (keep_dir)."""
+    keep = keep_dir(request, tmp_path_factory, "run")
     # bin/test avx2 (QCONV_TEST_ISA=avx2): vLLM's AVX2 library, as a CPU without AVX-512 loads it
     isa = ["--isa", "avx2"] if os.environ.get("QCONV_TEST_ISA") == "avx2" else []
-    report = run_harness(list(folders.values()), keep / "run", *isa)
+    report = run_harness(list(folders.values()), keep, *isa)
     return {"tolerance": report["tolerance"], "probe": report["probe"],
             "pairs": dict(zip(folders, report["pairs"]))}
 
@@ -238,14 +246,13 @@ AVX2_PAIRS = ["producer-ct-w4a16", "producer-ct-w8a8"]
 
 @pytest.mark.vllm
 @pytest.mark.consumer(VLLM_PYTHON, "vLLM's CPU build (.venv-vllm)")
-def test_vllm_avx2_build_says_it_cannot_run_w4a16(folders, request):
+def test_vllm_avx2_build_says_it_cannot_run_w4a16(folders, request, tmp_path_factory):
     """vLLM made to load its AVX2 kernel library (what it loads on a CPU without AVX-512; every x86-64 CPU
     of this kind runs AVX2 code): the harness's probe finds no int4 GEMM, the W4A16 model is refused for
     exactly that and reported "cannot run here", and W8A8 (int8 GEMMs, in the AVX2 build too) still loads
     and matches. So the outcome an AVX2 machine gets is tested on every machine."""
-    cache = getattr(request.config, "cache", None)
-    keep = Path(cache.mkdir("vllm-cpu")) / "avx2" if cache is not None else Path(folders[AVX2_PAIRS[0]][0]).parent / "avx2"
-    report = run_harness([folders[name] for name in AVX2_PAIRS], keep, "--isa", "avx2")
+    report = run_harness([folders[name] for name in AVX2_PAIRS], keep_dir(request, tmp_path_factory, "avx2"),
+                         "--isa", "avx2")
     assert report["probe"]["library"] == "_C_AVX2" and report["probe"]["ops"] == {"cpu_gemm_wna16": False}
     w4, w8 = report["pairs"]
     assert not w4["loaded"] and "cpu_gemm_wna16" in w4["error"], w4
