@@ -43,7 +43,7 @@ from ..formats.storage.tensor_io import FLOAT_NAMES, encode_float, finite_scales
 from .dequantize import dequantize_component, finite_rows
 from .engine import DEFAULT_MAX_SHARD, OutTensor, made_warnings, passthrough, run, write_component
 from .parallel import Replan
-from .requantize import requantize
+from .requantize import requantize, unrepresentable
 
 # The quantized targets are the format registry's (formats/core/registry.py: caps or fit, plan, leaves,
 # requantize / retarget, encoder, config); the float targets dequantize (dequantize.py).
@@ -421,18 +421,24 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
     def encoded(settings: dict, into: Tally | None = None):
         st = Stats()
         source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
+        err = None
         if lossy and tgt.requantize is not None:        # the target's own quantizer (code books)
             w = _exact_weights(comp, m, source)
             qt, rtn = tgt.requantize(source, w, spec, settings)
-            st.requantized(m.name, lossy, source.spec.name, spec.name, _layer_error(w, qt, rtn))
+            with np.errstate(over="ignore", invalid="ignore"):
+                err = _layer_error(w, qt, rtn)
         elif lossy:
             qt, err = requantize(_exact_weights(comp, m, source), spec.bits, spec.group_size, spec.symmetric,
                                  spec.scale_dtype, source.dtype, search=opts.search)
             qt = replace(qt, spec=spec) if tgt.retarget is None else tgt.retarget(qt, spec, settings)[0]
-            st.requantized(m.name, lossy, source.spec.name, spec.name, err)
         else:
             qt = _retarget(source, spec, st, tgt, settings)
         _check_scales(m, comp, source, qt, spec, opts, lossy)
+        why = unrepresentable(qt, err, FLOAT_NAMES.get(spec.scale_dtype, ""))
+        if why:
+            raise _refuse(m, comp, f"cannot be written as {opts.to}: {why}")
+        if lossy:
+            st.requantized(m.name, lossy, source.spec.name, spec.name, err)
         st.modules += 1
         if spec.zero_encoding == "v1" and qt.zeros is not None and bool((qt.zeros == 0).any()):
             st.v1_zero.append(m.name)

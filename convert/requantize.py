@@ -69,7 +69,20 @@ def _sym_candidates(wg, bits):
 def _search(wg: np.ndarray, mask: np.ndarray, bits: int, sym: bool, scale_dtype: str,
             search: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(codes [rows, groups, gs], scales, zero points) of a block of rows: the search above, each
-    candidate's error computed in place in one scratch array, so a block's memory is a few copies of it."""
+    candidate's error computed in place in one scratch array, so a block's memory is a few copies of it.
+    A candidate whose scale the stored dtype cannot hold (infinite: weights beyond float16's range times
+    the code range) or whose error overflows float32 counts as infinitely bad, and numpy says nothing
+    about it (no RuntimeWarning): a group no candidate fits keeps an infinite scale, which the caller
+    refuses (check_requantized), never a NaN error chosen as the best."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        return _search_groups(wg, mask, bits, sym, scale_dtype, search)
+
+
+def _finite_error(err: np.ndarray) -> np.ndarray:
+    return np.where(np.isfinite(err), err, np.inf)
+
+
+def _search_groups(wg, mask, bits, sym, scale_dtype, search):
     qmax = (1 << bits) - 1
     if sym:
         mid = np.full(wg.shape[:2], 1 << (bits - 1), np.float32)
@@ -112,6 +125,7 @@ def _search(wg: np.ndarray, mask: np.ndarray, bits: int, sym: bool, scale_dtype:
             zz = np.clip(np.round(-low / s), 0, qmax).astype(np.float32)
             codes(s, zz)
             err = sq_error(s, zz)
+        err = _finite_error(err)
         if best_err is None:
             best_err, best_s, best_z = err, s, zz
         else:
@@ -135,6 +149,7 @@ def _search(wg: np.ndarray, mask: np.ndarray, bits: int, sym: bool, scale_dtype:
             else:
                 codes(s, best_z)
                 err = sq_error(s, best_z)
+            err = _finite_error(err)
             better = err < best_err
             best_err = np.where(better, err, best_err)
             best_s = np.where(better, s, best_s)
@@ -226,4 +241,28 @@ def requantize(w: np.ndarray, bits: int, group_size: int, sym: bool, scale_dtype
     search=False (convert --no-search) round-to-nearest itself, its error in both columns."""
     rtn = quantize(w, bits, group_size, sym, scale_dtype, dtype, search=False)
     qt = quantize(w, bits, group_size, sym, scale_dtype, dtype, search=True) if search else rtn
-    return qt, layer_error(w, qt, rtn)
+    with np.errstate(over="ignore", invalid="ignore"):    # infinite scales: a NaN error, refused by the caller
+        return qt, layer_error(w, qt, rtn)
+
+
+def unrepresentable(qt: QuantTensor, err: LayerError | None = None, stored_as: str = "") -> str | None:
+    """Why a module a target is about to store does not stand for finite weights, or None: a scale its
+    dtype holds as infinity or NaN (weights beyond what the stored scale dtype times the code range
+    reaches: float16's 65504 x 7 for 4-bit codes), a weight that decodes to NaN or infinity, or an error
+    that is not finite. Checked for every module written, whatever quantized it (qconv's search, a
+    target's own quantizer, kept codes), so a NaN never reaches a file or a report."""
+    from ..formats.core.ir import nonfinite_weight
+
+    scales = np.asarray(qt.scales, np.float32)
+    if not np.isfinite(scales).all():
+        bad = np.nonzero(~np.isfinite(scales))
+        where = ", ".join(str(int(v[0])) for v in bad)
+        return (f"its weights need scales beyond {stored_as or qt.spec.scale_dtype}'s range (the scale at "
+                f"[{where}] would be {float(scales[tuple(v[0] for v in bad)])})")
+    bad = nonfinite_weight(qt)
+    if bad is not None:
+        r, c, value = bad
+        return f"the weight at [{r}, {c}] would decode to {value}"
+    if err is not None and not all(np.isfinite(v) for v in (err.rel_frobenius, err.max_abs, err.sq_error)):
+        return f"its error cannot be measured (relative error {err.rel_frobenius}, largest {err.max_abs})"
+    return None

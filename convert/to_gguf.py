@@ -36,7 +36,7 @@ from ..formats.storage.checkpoint import Component, open_target
 from ..formats.storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, encode_float, read_array, to_float32
 from .convert import Options, Stats, Tally, _check_source, _exact_weights, _read_float, _source_spec, _split_experts
 from .engine import DEFAULT_MAX_SHARD, plain_chunks
-from .requantize import requantize
+from .requantize import requantize, unrepresentable
 from .staging import staged_output
 
 ROPE_FREQS = "rope_parameters (llama3)"         # the source of rope_freqs: computed from config.json
@@ -174,6 +174,7 @@ def _module_out(comp, det, m: QuantModule, opts: Options, arch, name: str, src_d
             w = _exact_weights(comp, m, source)
             bits, sym = codec.requant_settings(type_name)
             qt, err = requantize(w, bits, codec.QK, sym, "F16", source.dtype, search=opts.search)
+            _refuse_unrepresentable(qt, err, type_name, m.name, comp.tensors[m.weight_tensors[0]].file)
             st.requantized(m.name, lossy, source.spec.name, type_name, err)
             blocks, _ = codec.encode(qt, type_name)
         if heads:
@@ -182,6 +183,16 @@ def _module_out(comp, det, m: QuantModule, opts: Options, arch, name: str, src_d
         yield blocks
 
     return _Out(name, type_name, (out, row), np.uint8, out * row, chunks, m.name, kept=not reason)
+
+
+def _refuse_unrepresentable(qt, err, type_name: str, tensor: str, file) -> None:
+    """A requantized block tensor whose float16 block scales cannot hold its weights (requantize's
+    search leaves such a group's scale infinite) or whose error is not finite is refused, never written
+    with infinite scales, which decode to NaN."""
+    why = unrepresentable(qt, err, "float16")
+    if why:
+        raise UnsupportedFormat(f"cannot be written as {type_name}, whose block scales are float16: {why}; keep "
+                                f"it float: --gguf-float --gguf-float-type f32", file=file, tensor=tensor)
 
 
 def _own_blocks(m: QuantModule, opts: Options) -> bool:
@@ -239,6 +250,7 @@ def _float_q8_0(info, name: str, heads: int | None, opts: Options, tally: Tally)
             raise CorruptCheckpoint("holds non-finite values (NaN or infinity); they cannot be quantized to Q8_0",
                                     file=info.file, tensor=info.name)
         qt, err = requantize(w, 8, codec.QK, True, "F16", FLOAT_NAMES[info.dtype], search=opts.search)
+        _refuse_unrepresentable(qt, err, "Q8_0", info.name, info.file)
         st.requantized(info.name, "float tensor quantized (--gguf-float-type q8_0)", FLOAT_NAMES[info.dtype],
                        "Q8_0", err)
         blocks, _ = codec.encode(qt, "Q8_0")
@@ -697,7 +709,7 @@ def _mismatch(comp, det, modules, part: str, got: np.ndarray, entry: dict, error
     if part in errors:                                # requantized: the error convert reported
         norm = float(np.linalg.norm(ref.astype(np.float64)))
         rel = float(np.linalg.norm(diff)) / norm if norm else 0.0
-        if rel > errors[part] * (1 + 1e-5) + 1e-6:     # the report rounds to 6 places
+        if not rel <= errors[part] * (1 + 1e-5) + 1e-6:  # the report rounds to 6 places; NaN fails
             return f"relative error {rel:.3g}, convert reported {errors[part]:.3g}"
         return None
     tol = (bound + 2.0 ** -21) * np.abs(ref.astype(np.float64)) + 2.0 ** -25 if entry["codes"] == "kept" else 0

@@ -202,6 +202,9 @@ def read_float(m: QuantModule, tensors: Mapping[str, TensorInfo], dtype: str,
         if not np.isfinite(g) or g == 0:
             raise CorruptCheckpoint(f"holds {float(g)}: every scale of the module is divided by it; cannot "
                                     f"decode it", file=info.file, tensor=info.name)
+        if g < 0:
+            raise CorruptCheckpoint(f"holds {float(g)}, but compressed-tensors' global scale is 448 x 6 / absmax, "
+                                    f"positive; cannot decode it", file=info.file, tensor=info.name)
         with np.errstate(over="ignore"):
             scales = group_scales / g
         if not np.all(np.isfinite(scales)):
@@ -515,7 +518,14 @@ def plan_nvfp4(ctx) -> dict:
     ({"global_scale": None}: the source's, in retarget_nvfp4)."""
     if not ctx.reason:
         return {"global_scale": None}
-    return {"absmax": float(_absmax(ctx.weights(), ctx.dtype)), "dtype": ctx.dtype}
+    w = ctx.weights()
+    absmax = float(_absmax(w, ctx.dtype))
+    if not math.isfinite(absmax):           # 448 x 6 / inf: a global scale of 0, every group scale infinite
+        info = (ctx.tensors or {}).get(ctx.module.weight_tensors[0]) if ctx.module.weight_tensors else None
+        raise UnsupportedFormat(f"its weights (largest {float(np.abs(w).max()):.3g}) exceed {ctx.dtype}, the dtype "
+                                f"compressed-tensors computes NVFP4's global scale in: it cannot be quantized to "
+                                f"NVFP4", file=info.file if info else None, tensor=ctx.module.name)
+    return {"absmax": absmax, "dtype": ctx.dtype}
 
 
 def global_scale(absmax: float, dtype: str) -> float:
@@ -599,7 +609,9 @@ def _e2m1_codes(scaled) -> np.ndarray:
 
 def _nvfp4_tensor(codes: np.ndarray, group_scales: np.ndarray, g: float, spec: QuantSpec, dtype: str) -> QuantTensor:
     g32 = np.float32(g)
-    return QuantTensor(spec, codes.shape, dtype, codes=codes, scales=(group_scales / g32).astype(np.float32),
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):   # not finite: refused by the caller
+        scales = (group_scales / g32).astype(np.float32)
+    return QuantTensor(spec, codes.shape, dtype, codes=codes, scales=scales,
                        group_scales=group_scales, global_scale=g32, product_dtype="bfloat16")
 
 

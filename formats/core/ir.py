@@ -243,3 +243,64 @@ class FloatWeight:
 
     def slab_rows(self, target_elements: int = 1 << 20) -> int:
         return max(1, target_elements // max(self.shape[1], 1))
+
+
+# The largest finite value of each float a weight is decoded into (a product in bfloat16, a model dtype).
+FLOAT_MAX = {"float32": float(np.finfo(np.float32).max), "bfloat16": 3.3895313892515355e38, "float16": 65504.0}
+
+
+def _rounded(w: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float16":
+        with np.errstate(over="ignore"):
+            return w.astype(np.float16)
+    return round_to_bfloat16(w.copy()) if dtype == "bfloat16" else w
+
+
+def nonfinite_weight(t, dtype: str = "float32") -> tuple[int, int, float] | None:
+    """The first weight of ``t`` (a QuantTensor or FloatWeight) that is not finite as the producer
+    decodes it (float32, through its product dtype) and then rounded to ``dtype``: (row, column, its
+    float32 value, NaN or +-inf when the product itself is not finite); None where every weight is finite.
+
+    Certain from the scales alone wherever the largest code magnitude a group can hold (|code - zero|
+    for integers, the code book's largest magnitude) times its scale stays within the narrowest float on
+    the way, so a sane module costs one pass over its scales; only the rows whose groups could overflow
+    (or whose scales are not finite) are decoded, under numpy's error state (no RuntimeWarning)."""
+    narrow = [d for d in ("float32", getattr(t, "product_dtype", None), dtype) if d]
+    limit = min(FLOAT_MAX[d] for d in narrow)
+    rows = t.shape[0]
+    if isinstance(t, FloatWeight):
+        suspect = np.arange(rows)
+    elif t.spec.flat:
+        book = float(np.nanmax(np.abs(np.asarray(t.spec.codebook, np.float64))))
+        with np.errstate(over="ignore", invalid="ignore"):
+            bound = book * np.abs(np.asarray(t.scales, np.float64))
+        bad = np.nonzero(~(bound <= limit))[0]
+        inp = max(t.shape[1], 1)
+        suspect = np.unique(np.concatenate([bad * t.spec.group_size // inp,
+                                            np.minimum(((bad + 1) * t.spec.group_size - 1) // inp, rows - 1)]))
+    else:
+        s = np.abs(np.asarray(t.scales, np.float64))
+        if t.spec.scheme == "int":
+            qmax = (1 << t.spec.bits) - 1
+            z = np.asarray(t.zeros, np.float64) if t.zeros is not None else np.zeros_like(s)
+            magnitude = np.maximum(z, qmax - z)
+        else:
+            magnitude = float(np.nanmax(np.abs(np.asarray(t.spec.codebook, np.float64))))
+        with np.errstate(over="ignore", invalid="ignore"):
+            bound = magnitude * s / t.spec.scale_divisor
+        suspect = np.nonzero(~(bound <= limit).all(axis=1))[0] if bound.size else np.zeros(0, np.int64)
+    if suspect.size == 0:
+        return None
+    step = max(1, t.slab_rows())
+    r0 = int(suspect[0])
+    last = int(suspect[-1]) + 1
+    while r0 < last:
+        r1 = min(last, r0 + step)
+        with np.errstate(over="ignore", invalid="ignore"):
+            w = np.asarray(t.dequantize_rows(r0, r1), np.float32)
+            bad = ~np.isfinite(_rounded(w, dtype))
+        if bad.any():
+            r, c = (int(v[0]) for v in np.nonzero(bad))
+            return r0 + r, c, float(w[r, c])
+        r0 = r1
+    return None

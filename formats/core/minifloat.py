@@ -29,8 +29,9 @@ BOOKS = {"e4m3": (8, E4M3_BOOK), "e2m1": (4, E2M1_BOOK)}   # scheme -> (bits, co
 def e8m0(b: np.ndarray) -> np.ndarray:
     """Bytes as 2^(b - 127), float32 (255 is NaN; 0 is 2^-127, a float32 subnormal, exact)."""
     b = np.asarray(b, dtype=np.uint8)
-    out = np.ldexp(np.float32(1), b.astype(np.int32) - 127).astype(np.float32)
-    out[b == 255] = np.nan
+    nan = b == 255
+    out = np.ldexp(np.float32(1), np.where(nan, 0, b.astype(np.int32) - 127)).astype(np.float32)  # 2^128: no warning
+    out[nan] = np.nan
     return out
 
 

@@ -4,11 +4,13 @@ and before anything is written, whether it can be decoded at all (require_decoda
 
 from __future__ import annotations
 
+import numpy as np
+
 from ...errors import CorruptCheckpoint, UnsupportedFormat
 from ..bnb.header import FLOAT_NAMES
 from ..storage.checkpoint import Component
 from .detect import DECODED_METHODS, Detection, detect
-from .ir import QuantTensor
+from .ir import QuantTensor, nonfinite_weight
 from .layout import QuantModule, module_of
 from .registry import dialects_for, families, family
 
@@ -131,7 +133,25 @@ def read_float_rows(comp: Component, m: QuantModule, rows: tuple[int, int] | Non
 def read_module(comp: Component, det: Detection, m: QuantModule, dtype: str,
                 rows: tuple[int, int] | None = None) -> QuantTensor:
     """The module (or its output rows r0:r1, see Family.read) as a QuantTensor; a split expert
-    (experts.split_module) as its rows of the fused module it is a view of."""
+    (experts.split_module) as its rows of the fused module it is a view of. Every verb reads a module
+    here, so a module whose codes times scales are not finite (an overflowing or NaN scale, a global
+    divisor of 1e-30: ir.nonfinite_weight) is refused here for all of them, before anything is written
+    from it: no float folder, requantization or comparison can stand for such a weight."""
+    qt = _read_module(comp, det, m, dtype, rows)
+    bad = nonfinite_weight(qt)
+    if bad is not None:
+        r, c, value = bad
+        first = comp.tensors.get(m.weight_tensors[0]) if m.weight_tensors else None
+        largest = float(np.abs(np.asarray(qt.scales, np.float64)).max(initial=0.0))
+        raise CorruptCheckpoint(f"its codes times its scales are not finite in float32 (the weight at "
+                                f"[{(rows or (0, 0))[0] + r}, {c}] decodes to {value}; the largest scale is "
+                                f"{largest:.3g}): no float folder or requantization can hold it",
+                                file=first.file if first else None, tensor=m.name)
+    return qt
+
+
+def _read_module(comp: Component, det: Detection, m: QuantModule, dtype: str,
+                 rows: tuple[int, int] | None = None) -> QuantTensor:
     view = m.details.get("rows_of")
     if view is not None:
         parent, first = view

@@ -41,7 +41,8 @@ def read_nvfp4(m: QuantModule, tensors: Mapping[str, TensorInfo], dtype: str,
                rows: tuple[int, int] | None = None) -> QuantTensor:
     """Rows r0:r1 (any rows) of an NVFP4 module: codes unpacked low nibble first, group_scales the
     decoded e4m3 weight_scale, global_scale weight_scale_2, scales their float32 product. Refused: an
-    e4m3 NaN code in weight_scale (0x7F / 0xFF), a NaN or infinite weight_scale_2."""
+    e4m3 NaN code in weight_scale (0x7F / 0xFF), a NaN, infinite or non-positive weight_scale_2; group
+    scales times it beyond float32 (reader.read_module)."""
     weight = tensors[m.weight_tensors[0]]
     scale, scale_2 = tensors[m.name + ".weight_scale"], tensors[m.name + ".weight_scale_2"]
     r0, r1 = rows or (0, m.out_features)
@@ -55,7 +56,11 @@ def read_nvfp4(m: QuantModule, tensors: Mapping[str, TensorInfo], dtype: str,
                                 f"{g}]: no weight of that group decodes", file=scale.file, tensor=scale.name)
     group_scales = E4M3[stored]
     global_scale = _scalar(scale_2)
-    scales = group_scales * global_scale            # float32 * float32: ModelOpt's per-group scale
+    if not global_scale > 0:
+        raise CorruptCheckpoint(f"holds {float(global_scale)}, but ModelOpt's weight_scale_2 is absmax / (6 x 448), "
+                                f"positive; cannot decode it", file=scale_2.file, tensor=scale_2.name)
+    with np.errstate(over="ignore"):                # an overflow is refused by reader.read_module
+        scales = group_scales * global_scale        # float32 * float32: ModelOpt's per-group scale
     spec = QuantSpec("e2m1", 4, m.group_size, True, codebook=MODELOPT_E2M1_BOOK, scale_dtype=scale.dtype,
                      global_scale="multiplier")
     return QuantTensor(spec, (r1 - r0, m.in_features), dtype, codes=codes, scales=scales,
@@ -119,15 +124,22 @@ def fit_nvfp4(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str |
 
 def _source_scalar(tensors: Mapping[str, TensorInfo], name: str, kind: str) -> np.float32:
     """A per-tensor scale of the source as the multiplier ModelOpt stores: kept (a multiplier), or
-    float32(1 / divisor) (compressed-tensors). Refused: not finite, or a divisor of 0."""
+    float32(1 / divisor) (compressed-tensors). Refused: a multiplier that is not finite and positive."""
     value = _scalar(tensors[name])
+    info = tensors[name]
     if kind == "multiplier":
-        return value
-    if value == 0:
-        info = tensors[name]
+        out = value
+    elif value == 0:
         raise CorruptCheckpoint("is 0, a global scale compressed-tensors divides by; cannot decode it",
                                 file=info.file, tensor=info.name)
-    return np.float32(1) / value
+    else:
+        with np.errstate(over="ignore"):
+            out = np.float32(1) / value
+    if not (np.isfinite(out) and out > 0):
+        raise CorruptCheckpoint(f"holds {float(value)}, which is no positive finite ModelOpt multiplier "
+                                f"({'as stored' if kind == 'multiplier' else '1 / it'}: {float(out)}); cannot "
+                                f"convert it", file=info.file, tensor=info.name)
+    return out
 
 
 def plan_nvfp4(ctx) -> dict:

@@ -36,7 +36,7 @@ def _refused(tmp_path, src, code, args, *needles):
                                   ["--to", "compressed-tensors", "--scale-dtype", "float16"],
                                   ["--to", "awq", "--scale-dtype", "float16"]])
 def test_scales_beyond_float16_are_refused(tmp_path, awq_with, args):
-    src = awq_with(1e5, 3e38)
+    src = awq_with(1e5, 1e30)          # weights up to 8e30: finite in float32, so a narrowing, not a corruption
     _refused(tmp_path, src, 5, args, "2 scales do not fit float16", "infinity", "bfloat16")
 
 
@@ -81,9 +81,20 @@ def test_requantizing_weights_beyond_float32_is_refused_in_one_line(tmp_path, aw
     _refused(tmp_path, src, 4, ["--to", to], "codes times its scales are not finite in float32")
 
 
-def test_validate_fails_such_a_layer_without_warnings(tmp_path, awq_with):
+def test_validate_refuses_such_a_source_without_warnings(tmp_path, awq_with):
+    """Weights that are not finite in float32 are no model to compare: validate refuses the source as
+    every verb does (issue 34), in one line, before any comparison (no NaN in a report)."""
     src = awq_with(3e38)
     proc = run_qconv("validate", src, src)
+    one_error(proc, 4, str(src / "model.safetensors"), Q, "codes times its scales are not finite in float32")
+    assert proc.stdout == ""
+
+
+def test_validate_fails_a_layer_beyond_float16_without_warnings(tmp_path, awq_with):
+    """Finite in float32 but beyond the model's float16: the layer is compared (and fails against the
+    intact fixture, whose weights these are not), its numbers finite, nothing on stderr."""
+    src = awq_with(1e30)
+    proc = run_qconv("validate", src, copy_checkpoint("llama-awq-w4g128", tmp_path / "intact"))
     assert proc.returncode == 1 and proc.stderr == "", proc.stderr
     (row,) = [line for line in proc.stdout.splitlines() if line.startswith(Q + " ")]
-    assert row.split()[1] == "FAIL", row
+    assert row.split()[1] == "FAIL" and "nan" not in row and "inf" not in row, row
