@@ -101,6 +101,20 @@ def _int_in(name: str, value, lo: int, hi: int | None = None) -> None:
         raise UsageError(f"{_what(name)} {value!r} is not an integer in {bound}")
 
 
+def _flag(name: str, value, *, optional: bool = False) -> None:
+    """A yes/no option: True or False (None too where it means "the source's"); "no" is not False."""
+    if not (isinstance(value, bool) or (optional and value is None)):
+        raise UsageError(f"{_what(name)} {value!r} is not True or False")
+
+
+def _path(name: str, value) -> Path:
+    """A path argument: a str or an os.PathLike giving one (bytes paths are not taken)."""
+    fspath = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(fspath, str) or not fspath:
+        raise UsageError(f"{name} {value!r} is not a path (a non-empty str or os.PathLike)")
+    return Path(fspath)
+
+
 def _jobs(value: int | None) -> int:
     """--jobs: worker processes that write output shards (convert/parallel.py); None: the machine's cores."""
     from .convert.parallel import machine_cores
@@ -114,6 +128,9 @@ def _jobs(value: int | None) -> int:
 @dataclass(frozen=True)
 class InspectOptions:
     strict: bool = False           # a warning fails the check (CheckFailed, exit 1)
+
+    def __post_init__(self):
+        _flag("strict", self.strict)
 
 
 def parse_block_size(value) -> tuple[int, int] | None:
@@ -156,6 +173,10 @@ class ConvertOptions:
 
     def __post_init__(self):
         _choice("to", self.to, targets())
+        for name in ("validate", "overwrite", "search", "gguf_float"):
+            _flag(name, getattr(self, name))
+        for name in ("sym", "double_quant"):
+            _flag(name, getattr(self, name), optional=True)
         _choice("gguf_asym", self.gguf_asym, GGUF_ASYM)
         _choice("gguf_float_type", self.gguf_float_type, GGUF_FLOAT_TYPES)
         object.__setattr__(self, "jobs", _jobs(self.jobs))
@@ -189,6 +210,7 @@ class DequantizeOptions:
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DEQUANTIZE_DTYPES)
+        _flag("overwrite", self.overwrite)
         object.__setattr__(self, "jobs", _jobs(self.jobs))
         object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
 
@@ -304,6 +326,7 @@ def inspect(path: str | os.PathLike[str], *, strict: bool = False) -> InspectRes
     opts = InspectOptions(strict=strict)
     from .inspection import inspect_path
 
+    _path("path", path)
     data = inspect_path(path)
     components = tuple(data.get("components", ()))          # a GGUF file's report has none: data["gguf"]
     result = InspectResult(data=data, path=data["path"], kind=data["kind"], components=components,
@@ -318,7 +341,7 @@ def _run_convert(src, dst, opts: ConvertOptions, progress: ProgressCallback | No
     from .convert.convert import convert as run_convert
 
     with reporting(progress):
-        data = run_convert(Path(src), Path(dst), opts.conversion(), overwrite=opts.overwrite,
+        data = run_convert(_path("src", src), _path("dst", dst), opts.conversion(), overwrite=opts.overwrite,
                            max_shard_size=opts.max_shard_size, validate=opts.validate, jobs=opts.jobs)
     packed = [c for c in data["components"] if "to" in c]
     return _written(ConvertResult, data, codes_kept=sum(c["codes_kept"] for c in packed),
@@ -377,7 +400,7 @@ def dequantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtyp
     from .convert.dequantize import dequantize as run_dequantize
 
     with reporting(progress):
-        data = run_dequantize(Path(src), Path(dst), dtype=None if opts.dtype == "auto" else opts.dtype,
+        data = run_dequantize(_path("src", src), _path("dst", dst), dtype=None if opts.dtype == "auto" else opts.dtype,
                               overwrite=opts.overwrite, max_shard_size=opts.max_shard_size, jobs=opts.jobs)
     return _written(DequantizeResult, data,
                     dequantized_modules=sum(c["dequantized_modules"] for c in data["components"]))
@@ -393,6 +416,8 @@ def validate(a: str | os.PathLike[str], b: str | os.PathLike[str], *, device: st
     raises ``ValidationFailed`` (exit 1, ``err.result`` the report) unless every layer passes; check=False
     returns the failing report instead."""
     opts = ValidateOptions(device, tol, samples, seed, rows, kernels)
+    _flag("check", check)
+    _path("a", a), _path("b", b)
     from .validation import validate as run_validate
 
     with reporting(progress):

@@ -15,16 +15,26 @@ from .formats.storage.checkpoint import Component, open_target
 from .formats.core.detect import DECODED_METHODS, METHOD_NAMES, detect
 from .formats.core.layout import examples as _examples, module_of, natural_key
 from .formats.core.registry import dialects_for, families
-from .formats.gguf.header import looks_like_gguf, summary as gguf_summary
+from .formats.core.structure import disagreements, key_namer, logical_shapes
+from .formats.gguf.arch import structure_warnings
+from .formats.gguf.header import count as gguf_count, looks_like_gguf, summary as gguf_summary
 from .formats.gguf.split import read_gguf
 
 
 def inspect_path(path: str | Path) -> dict:
     if looks_like_gguf(path):
-        return {"path": str(path), "kind": "gguf", "gguf": gguf_summary(read_gguf(path))}
+        header = read_gguf(path)
+        return {"path": str(path), "kind": "gguf", "gguf": gguf_summary(header),
+                "warnings": gguf_structure_warnings(header)}
     target = open_target(path)
     return {"path": str(path), "kind": target.kind,
             "components": [inspect_component(c) for c in target.components]}
+
+
+def gguf_structure_warnings(header) -> list[str]:
+    """A GGUF's hyperparameters against its tensors (structure.py), from the header alone."""
+    return [f"metadata and tensors disagree: {w}" for w in
+            structure_warnings(header.metadata, [(t.name, t.shape) for t in header.tensors], gguf_count)]
 
 
 def inspect_component(comp: Component) -> dict:
@@ -55,6 +65,8 @@ def inspect_component(comp: Component) -> dict:
     for p, names in problems.items():
         warnings.append(f"{len(names)} modules: {p} ({_examples(names)})")
 
+    warnings += [f"config and tensors disagree: {d.message(key_namer(comp.config, comp.config_names))}"
+                 for d in disagreements(comp.config, logical_shapes(tensors, modules))]
     state = det.state_tensors
     claimed = det.claimed_tensors
     unscaled = [t for t in det.unaccounted if tensors[t].dtype == "I8" and t.endswith(".weight")
@@ -284,6 +296,8 @@ def render_gguf(result: dict) -> str:
     if g.get("hparams"):
         rows = [(k, _gguf_value(v)) for k, v in g["hparams"].items()]
         lines += ["", _indent(tabulate(rows, headers=["hyperparameter", "value"], disable_numparse=True))]
+    if result.get("warnings"):
+        lines += ["", f"  warnings ({len(result['warnings'])}):"] + [f"  ! {w}" for w in result["warnings"]]
     return "\n".join(lines)
 
 

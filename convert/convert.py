@@ -210,7 +210,9 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
     tgt = registered_target(opts.to)
     where = comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else None
     if tgt.fit is not None:
-        return tgt.fit(m, src, opts, lambda caps=None: _negotiate(m, src, opts, where, caps))
+        spec, reason = tgt.fit(m, src, opts, lambda caps=None: _negotiate(m, src, opts, where, caps))
+        _check_leaves(tgt, spec, m, m.in_features, opts, where)
+        return spec, reason
     inp = m.in_features
     caps = tgt.caps
     bits, group, sym, reason = _negotiate(m, src, opts, where, caps)
@@ -231,13 +233,19 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
         scale_code = src.scale_dtype
     spec = QuantSpec("int", bits, -1 if group <= 0 else group, sym, scale_dtype=scale_code,
                      zero_encoding=tgt.zero_encoding)
-    try:                                     # predicted leaves: the layout can hold the module's shape
+    _check_leaves(tgt, spec, m, inp, opts, where)
+    return spec, reason
+
+
+def _check_leaves(tgt, spec: QuantSpec, m: QuantModule, inp: int, opts: Options, where) -> None:
+    """The target's predicted leaves: its layout can hold the module's shape (exit 5 where not)."""
+    try:
         tgt.leaves(spec, (m.out_features, inp), False)
     except ValueError as exc:
-        raise UnsupportedFormat(f"a {m.out_features} x {inp} module cannot be stored as {bits}-bit "
+        what = f"{spec.bits}-bit" if spec.scheme == "int" else spec.name
+        raise UnsupportedFormat(f"a {m.out_features} x {inp} module cannot be stored as {what} "
                                 f"{registered_family(tgt.family).method} ({opts.to}): {exc}", tensor=m.name,
                                 file=where) from None
-    return spec, reason
 
 
 def _kept_scale_dtype(m: QuantModule, comp: Component, src: QuantSpec, caps, src_dtype: str) -> str | None:
@@ -733,8 +741,34 @@ def check_results(written, *, samples: int = 32, seed: int = 0) -> list[dict]:
     return results
 
 
+# Each target option as the command line spells it; the targets that take it say so (Target.options,
+# to_gguf.GGUF_OPTIONS; the float dtypes take none): given to any other, it is a usage error (exit 2).
+OPTION_FLAGS = {"bits": "--bits", "group_size": "--group-size", "sym": "--sym/--asym",
+                "scale_dtype": "--scale-dtype", "blocksize": "--blocksize", "double_quant": "--double-quant",
+                "quant_storage": "--quant-storage", "block_size": "--block-size", "gguf_asym": "--gguf-asym",
+                "gguf_float": "--gguf-float", "gguf_float_type": "--gguf-float-type"}
+
+
+def check_options(opts: Options) -> None:
+    """Refuse an option the target does not take (it would be ignored, or misread), naming both."""
+    from .to_gguf import GGUF_BITS, GGUF_OPTIONS
+
+    takes = GGUF_OPTIONS if opts.to == "gguf" else frozenset() if opts.to in FLOAT_TARGETS \
+        else registered_target(opts.to).options
+    default = Options(opts.to)
+    for field_name, flag in OPTION_FLAGS.items():
+        if field_name not in takes and getattr(opts, field_name) != getattr(default, field_name):
+            own = [OPTION_FLAGS[f] for f in OPTION_FLAGS if f in takes]
+            raise UsageError(f"{flag}: --to {opts.to} takes no such option; "
+                             + (f"its options are {', '.join(own)}" if own else "it takes no target options"))
+    if opts.to == "gguf" and opts.bits is not None and opts.bits not in GGUF_BITS:
+        raise UsageError(f"--bits {opts.bits}: --to gguf requantizes to "
+                         f"{' or '.join(f'{t} (--bits {b})' for b, t in GGUF_BITS.items())} only")
+
+
 def convert(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
             max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False, jobs: int = 1) -> dict:
+    check_options(opts)
     if opts.to == "gguf":                       # one file, not a folder: its own writer (to_gguf.py)
         from .to_gguf import convert_to_gguf
         return convert_to_gguf(src, dst, opts, overwrite=overwrite, max_shard_size=max_shard_size, validate=validate,

@@ -37,10 +37,12 @@ from ..formats.storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, encode_float, 
 from .convert import Options, Stats, Tally, _check_source, _exact_weights, _read_float, _source_spec, _split_experts
 from .engine import DEFAULT_MAX_SHARD, plain_chunks
 from .requantize import requantize, unrepresentable
-from .staging import staged_output
+from .staging import staged_output, test_hook
 
 ROPE_FREQS = "rope_parameters (llama3)"         # the source of rope_freqs: computed from config.json
 _FLOAT_GGML = {"F16": (np.float16, "F16"), "F32": (np.float32, "F32"), "BF16": (np.uint16, "BF16")}
+GGUF_OPTIONS = frozenset({"bits", "gguf_asym", "gguf_float", "gguf_float_type"})   # convert.check_options
+GGUF_BITS = {4: "Q4_0", 8: "Q8_0"}                # --bits: what every requantized module becomes
 _FLOAT_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}     # --gguf-float-type
 _WIDER = {"F16": "bf16 or f32", "BF16": "f32"}
 
@@ -115,8 +117,10 @@ def _natural_type(comp, det, m: QuantModule, opts: Options, src_dtype: str) -> t
         return m.details["ggml_type"], None
     if src_spec.scheme == "float":
         if m.in_features % codec.QK:
-            raise UnsupportedFormat(f"{m.in_features} input features are not a multiple of GGUF's 32-weight "
-                                    f"blocks; use --gguf-float to keep it float", file=where, tensor=m.name)
+            reason = f"{m.in_features} input features are not a multiple of GGUF's 32-weight blocks"
+            if opts.gguf_float:                       # stored as float (--gguf-float-type), as asked
+                return None, reason
+            raise UnsupportedFormat(f"{reason}; use --gguf-float to keep it float", file=where, tensor=m.name)
         # data-free: Q8_0 (llama.cpp's converter's q8_0); decoded GGUF blocks: their FloatSpec's bits
         type_name = "Q4_0" if (opts.bits or (src_spec.bits if src_spec.origin else 8)) == 4 else "Q8_0"
         reason = src_spec.requantized()
@@ -126,7 +130,7 @@ def _natural_type(comp, det, m: QuantModule, opts: Options, src_dtype: str) -> t
             raise UnsupportedFormat(f"{reason}: no GGUF block type holds it; use --gguf-float to store it as "
                                     f"float", file=where, tensor=m.name)
         if type_name not in (None, "MXFP4") and opts.bits is not None and codec.requant_settings(type_name)[0] != opts.bits:
-            type_name = "Q4_0" if opts.bits == 4 else "Q8_0"
+            type_name = GGUF_BITS[opts.bits]
             reason = reason or f"{src_spec.bits}-bit codes become {opts.bits}-bit (--bits {opts.bits})"
     return type_name, reason
 
@@ -456,7 +460,31 @@ def plan(comp: Component, opts: Options, tally: Tally) -> tuple[object, list[_Ou
     if factors is not None:                           # llama-3's rope scaling, as llama.cpp's converter writes it
         outs.insert(0, _Out("rope_freqs.weight", "F32", factors.shape, np.float32, factors.nbytes,
                             lambda: iter([factors]), ROPE_FREQS))
-    return det, outs, _metadata(comp, arch)
+    meta = _metadata(comp, arch)
+    _check_metadata(meta, comp.path / "config.json" if comp.path.is_dir() else comp.path)
+    return det, outs, meta
+
+
+_F32_MAX = 3.4028234663852886e38
+_FITS = {"u32": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 32,
+         "i32": lambda v: isinstance(v, int) and not isinstance(v, bool) and -(1 << 31) <= v < 1 << 31,
+         "f32": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= _F32_MAX,
+         "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str)}
+
+
+def _check_metadata(meta: list, where) -> None:
+    """Every value read from the config fits the GGUF type it is written as (a context length of 2^62 is
+    no u32, an rms epsilon of 1e300 no float32): refused by key before anything is written."""
+    for key, kind, value in meta:
+        if isinstance(kind, tuple):                   # a GGUF source's own field: read in its own type
+            continue
+        element = kind[:-2] if kind.endswith("[]") else kind
+        values = value if kind.endswith("[]") else [value]
+        bad = next((v for v in values if not _FITS[element](v)), None) if element in _FITS else None
+        if bad is not None or (element in ("f32",) and any(v != v for v in values)):
+            shown = bad if bad is not None else "NaN"
+            raise CorruptCheckpoint(f"gives GGUF's {key} the value {shown!r}, which its {element} cannot hold; "
+                                    f"nothing written", file=where)
 
 
 def _source_name(comp: Component) -> str:
@@ -561,6 +589,7 @@ def write(comp: Component, path: Path, opts: Options, max_shard: int, jobs: int 
             raise AssertionError(f"{o.name}: wrote {n} bytes, planned {o.nbytes}")
         writer.write_padding(fout, n)
         written += n
+        test_hook("tensor-written")
     writer.close()
     summary = tally.summary()
     vision = sum(1 for n in comp.tensors if arch.text_of and garch.is_vision(n))

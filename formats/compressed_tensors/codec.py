@@ -313,17 +313,7 @@ def fit_fp8(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str | N
     scale per tensor (the scale repeated per channel or block: the same weights); everything else is
     quantized from its exact weights as llm-compressor does (requantize_fp8). The scale dtype here is
     provisional: plan_fp8 settles it once the model dtype is known. --bits / --group-size / --sym are
-    integer settings and --scale-dtype is llm-compressor's choice (the model dtype): refused."""
-    from ...errors import UsageError
-
-    for option, value in (("--bits", request.bits), ("--group-size", request.group_size),
-                          ("--sym/--asym", request.sym)):
-        if value is not None:
-            raise UsageError(f"{option} is an integer setting; {FP8_TARGET} takes --block-size ROWSxCOLS "
-                             f"(default: one scale per output channel)")
-    if request.scale_dtype is not None:
-        raise UsageError(f"--scale-dtype: {FP8_TARGET} stores scales in the model's dtype, as llm-compressor "
-                         f"does (float32 only where kept scales would round in it)")
+    integer settings and --scale-dtype is llm-compressor's choice (the model dtype): refused (Target.options)."""
     e4m3 = src.scheme == "e4m3"
     src_group = src.group_size if (src.group_size or 0) > 0 else -1
     if request.block_size:
@@ -467,16 +457,8 @@ _TORCH_DTYPES = ("float16", "bfloat16")
 
 
 def _fp4_settings(m: QuantModule, request, target: str, kind: str, group: int, scales: str) -> None:
-    """What an FP4 target written as llm-compressor writes it refuses before any data: every integer or
-    block option (llm-compressor's choice, exit 2), and inputs that are not whole groups (exit 5)."""
-    from ...errors import UsageError
-
-    for option, value in (("--bits", request.bits), ("--group-size", request.group_size),
-                          ("--sym/--asym", request.sym), ("--scale-dtype", request.scale_dtype),
-                          ("--block-size", request.block_size)):
-        if value is not None:
-            raise UsageError(f"{option}: {target} is {kind} as llm-compressor writes it (e2m1 in groups of "
-                             f"{group}, {scales}); it takes no such setting")
+    """What an FP4 target written as llm-compressor writes it refuses before any data: inputs that are not
+    whole groups (exit 5). Its settings are llm-compressor's: it takes no option (Target.options)."""
     if m.in_features % group:
         raise UnsupportedFormat(f"has {m.in_features} input features, not a whole number of {kind} groups of "
                                 f"{group}; {target} cannot hold it", tensor=m.name)

@@ -9,6 +9,7 @@ import numpy as np
 from ...errors import CorruptCheckpoint, UnsupportedFormat
 from ..bnb.header import FLOAT_NAMES
 from ..storage.checkpoint import Component
+from . import structure
 from .detect import DECODED_METHODS, Detection, detect
 from .ir import QuantTensor, nonfinite_weight
 from .layout import QuantModule, module_of
@@ -65,6 +66,10 @@ def require_decodable(comp: Component) -> Detection:
                                 f"{f' (and {more} more such tensors)' if more else ''}: it cannot be "
                                 f"decoded, and copied it would pass for a plain weight",
                                 file=tensors[name].file, tensor=name)
+    # the model's structural keys against its tensors (structure.py): after every tensor is accounted for
+    structure.check(comp.config, structure.logical_shapes(tensors, det.modules),
+                    file=comp.path / "config.json" if comp.path.is_dir() else comp.path, names=comp.config_names,
+                    source="its metadata" if comp.config_names else "config.json")
     return det
 
 

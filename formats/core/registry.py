@@ -229,6 +229,12 @@ class ModuleContext:
                                      # reads a module's small state (ModelOpt NVFP4: the per-tensor scales)
 
 
+# convert's options of the integer targets (bits, groups, zero points, scale dtype: Caps negotiates them)
+INTEGER_OPTIONS = frozenset({"bits", "group_size", "sym", "scale_dtype"})
+BNB4_OPTIONS = frozenset({"bits", "blocksize", "double_quant", "quant_storage"})
+FP8_OPTIONS = frozenset({"block_size"})
+
+
 @dataclass(frozen=True)
 class Target:
     """A writer. convert plans every module (fit or the caps negotiation: spec and reason; then plan: its
@@ -277,6 +283,8 @@ class Target:
     # requantizer's result goes through it too (rounding not reported). None: scales / divisor stored
     # in spec.scale_dtype.
     retarget: Callable | None = None
+    # the convert options (convert.Options' fields) it takes; any other one given is a usage error (exit 2)
+    options: frozenset = INTEGER_OPTIONS
 
     def module_leaves(self, spec, shape: tuple[int, int], g_idx: bool, settings: Mapping | None = None) -> dict:
         """leaves for one module, given the settings plan gave it (targets without plan take none)."""
@@ -395,7 +403,7 @@ def _register_targets() -> None:
     register_target(Target(compressed_tensors.FP8_TARGET, "ct",
                            Caps(frozenset({8}), asym=False, grouped=False, divisor_scale="F32"),
                            compressed_tensors.float_leaves, compressed_tensors.float_config, "compressed_tensors.codec",
-                           fit=_lazy("compressed_tensors.codec", "fit_fp8"),
+                           fit=_lazy("compressed_tensors.codec", "fit_fp8"), options=FP8_OPTIONS,
                            plan=_lazy("compressed_tensors.codec", "plan_fp8"),
                            requantize=_lazy("compressed_tensors.codec", "requantize_fp8"),
                            retarget=_lazy("compressed_tensors.codec", "retarget_fp8")))
@@ -405,7 +413,7 @@ def _register_targets() -> None:
     register_target(Target(compressed_tensors.NVFP4_TARGET, "ct",
                            Caps(frozenset({4}), asym=False, per_row=False, scale_dtypes=frozenset({"F8_E4M3"})),
                            compressed_tensors.nvfp4_leaves, compressed_tensors.nvfp4_config, "compressed_tensors.codec",
-                           fit=_lazy("compressed_tensors.codec", "fit_nvfp4"),
+                           fit=_lazy("compressed_tensors.codec", "fit_nvfp4"), options=frozenset(),
                            plan=_lazy("compressed_tensors.codec", "plan_nvfp4"),
                            share=_lazy("compressed_tensors.codec", "share_nvfp4"),
                            requantize=_lazy("compressed_tensors.codec", "requantize_nvfp4"),
@@ -415,7 +423,7 @@ def _register_targets() -> None:
     register_target(Target(compressed_tensors.MXFP4_TARGET, "ct",
                            Caps(frozenset({4}), asym=False, per_row=False, scale_dtypes=frozenset({"U8"})),
                            compressed_tensors.mxfp4_leaves, compressed_tensors.mxfp4_config, "compressed_tensors.codec",
-                           fit=_lazy("compressed_tensors.codec", "fit_mxfp4"),
+                           fit=_lazy("compressed_tensors.codec", "fit_mxfp4"), options=frozenset(),
                            requantize=_lazy("compressed_tensors.codec", "requantize_mxfp4"),
                            retarget=_lazy("compressed_tensors.codec", "retarget_mxfp4")))
     # ModelOpt NVFP4 (quant_algo NVFP4, W4A4): codes, e4m3 scales, weight_scale_2 and the calibrated
@@ -427,6 +435,7 @@ def _register_targets() -> None:
                            Caps(frozenset({4}), asym=False, per_row=False, scale_dtypes=frozenset({"F8_E4M3"})),
                            modelopt.nvfp4_leaves, modelopt.nvfp4_config, "modelopt.codec",
                            fit=_lazy("modelopt.codec", "fit_nvfp4"), plan=_lazy("modelopt.codec", "plan_nvfp4"),
+                           options=frozenset(),
                            share=_lazy("modelopt.codec", "share_nvfp4"),
                            retarget=_lazy("modelopt.codec", "retarget_nvfp4")))
     register_target(Target("awq", "awq", Caps(frozenset({4}), per_row=False, scale_dtypes=frozenset({"F16", "BF16"}),
@@ -437,18 +446,21 @@ def _register_targets() -> None:
     register_target(Target("bnb8", "bnb8", Caps(frozenset({8}), asym=False, grouped=False,
                                                 scale_dtypes=frozenset({"F32"}), divisor_scale="F32"),
                            bnb.int8_leaves, bnb.config_writer(False), "bnb.codec",
-                           fit=_lazy("bnb.codec", "fit_int8"), retarget=_lazy("bnb.codec", "retarget_int8")))
+                           fit=_lazy("bnb.codec", "fit_int8"), retarget=_lazy("bnb.codec", "retarget_int8"),
+                           options=frozenset({"bits"})))
     # Fine-grained FP8 (transformers / DeepSeek): e4m3 in 2-D blocks; its own fit (--block-size), quantizer
     # (Fp8Quantize's arithmetic) and retarget (codes kept from e4m3 sources in the same blocks); fp8/.
     register_target(Target("fp8", "fp8", Caps(frozenset({8}), asym=False, per_row=False,
                                               scale_dtypes=frozenset({"F32"}), divisor_scale="F32"),
                            fp8.writer_leaves, fp8.writer_config, "fp8.codec", fit=_lazy("fp8.codec", "fit"),
+                           options=FP8_OPTIONS,
                            requantize=_lazy("fp8.codec", "requantize"), retarget=_lazy("fp8.codec", "retarget")))
     for name, quant_type in bnb.FOUR_BIT_TARGETS.items():
         register_target(Target(name, "bnb4", Caps(frozenset({4}), asym=False, per_row=False, grouped=False,
                                                   scale_dtypes=frozenset({"F32"}), divisor_scale="F32"),
                                bnb.four_bit_leaves, bnb.config_writer(True), "bnb.codec",
                                fit=_lazy("bnb.codec", "fit_4bit", quant_type), plan=_lazy("bnb.codec", "plan_4bit"),
+                               options=BNB4_OPTIONS,
                                requantize=_lazy("bnb.codec", "requantize_4bit"),
                                retarget=_lazy("bnb.codec", "retarget_4bit")))
 

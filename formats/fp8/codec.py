@@ -80,11 +80,21 @@ def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, 
     fused = m.details.get("fused_scale")
     if fused:
         name, expert, offset = fused
-        return read_e4m3(tensors[m.weight_tensors[0]], tensors[name], m.details["block_rows"], m.group_size,
-                         dtype, rows, expert=expert, row_offset=offset)
-    scale = tensors[m.name + ("_scale_inv" if m.experts else ".weight_scale_inv")]
-    return read_e4m3(tensors[m.weight_tensors[0]], scale, m.details["block_rows"], m.group_size, dtype, rows,
-                     expert_rows=m.out_features // m.experts if m.experts else 0)
+        scale = tensors[name]
+        qt = read_e4m3(tensors[m.weight_tensors[0]], scale, m.details["block_rows"], m.group_size,
+                       dtype, rows, expert=expert, row_offset=offset)
+    else:
+        scale = tensors[m.name + ("_scale_inv" if m.experts else ".weight_scale_inv")]
+        qt = read_e4m3(tensors[m.weight_tensors[0]], scale, m.details["block_rows"], m.group_size, dtype, rows,
+                       expert_rows=m.out_features // m.experts if m.experts else 0)
+    if m.details.get("scale_fmt") == "ue8m0" and scale.dtype != "F8_E8M0":
+        mantissa = np.frexp(qt.scales)[0]
+        if qt.scales.size and not np.all(mantissa == 0.5):
+            value = float(qt.scales[mantissa != 0.5][0])
+            raise CorruptCheckpoint(f"the config's scale_fmt is ue8m0 (powers of two), but this {scale.dtype} "
+                                    f"scale holds {value:.6g}, which is none: DeepGEMM's UE8M0 kernels would "
+                                    f"round it, so no one decoding holds", file=scale.file, tensor=scale.name)
+    return qt
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,12 +139,7 @@ def fit(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str | None]
     """The fp8 target's spec: e4m3 codes in blocks of --block-size (default: the source's 2-D block
     where it has one, else 128 x 128), float32 inverse scales. Codes are kept where the source is e4m3
     in the same blocks (fine-grained FP8, compressed-tensors FP8_BLOCK); everything else is quantized
-    from its exact weights. --bits / --group-size / --sym are integer settings: refused."""
-    from ...errors import UsageError
-
-    for option, value in (("--bits", request.bits), ("--group-size", request.group_size), ("--sym/--asym", request.sym)):
-        if value is not None:
-            raise UsageError(f"{option} is an integer setting; fp8 takes --block-size ROWSxCOLS")
+    from its exact weights. --bits / --group-size / --sym are integer settings: refused (Target.options)."""
     same_kind = src.scheme == "e4m3" and src.block_rows > 0 and src.group_size > 0
     block = request.block_size or ((src.block_rows, src.group_size) if same_kind else DEFAULT_BLOCK)
     spec = QuantSpec("e4m3", 8, block[1], True, codebook=E4M3_BOOK, scale_dtype="F32", block_rows=block[0])

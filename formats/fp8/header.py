@@ -71,6 +71,15 @@ def parse_config(qc: Mapping | None) -> dict:
     if scale_fmt not in ("float", "ue8m0"):
         unsupported.append(f"scale_fmt {scale_fmt!r} is not float or ue8m0")
     activation = qc.get("activation_scheme", "dynamic")
+    if not isinstance(activation, str) or activation.lower() not in ("dynamic", "static"):
+        problems.append(f"activation_scheme is {activation!r}, not dynamic or static (transformers and vLLM "
+                        f"refuse it)")
+        activation = "dynamic"
+    activation = activation.lower()
+    convert = qc.get("modules_to_convert")
+    if convert not in (None, []):
+        unsupported.append(f"modules_to_convert is {convert!r}: FP8 embeddings (transformers' FP8Embedding) "
+                           f"are not a layout qconv reads")
     skip = qc.get("modules_to_not_convert")
     if skip is None:
         skip = qc.get("ignored_layers")
@@ -146,6 +155,9 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
         if key is not None:
             problems.append(f"modules_to_not_convert lists {key!r}, but the module is stored as e4m3: loaders "
                             f"build it as a plain Linear and read the codes as weights")
+        if cfg["activation_scheme"] == "static" and not fused_experts and not any(f"{prefix}.{a}" in tensors for a in ACTIVATION_LEAVES):
+            problems.append(f"the config's activation_scheme is static, but it has no activation scale "
+                            f"({' / '.join(ACTIVATION_LEAVES)}), which static activations are scaled by")
         own = tensors.get(prefix + ("_scale_inv" if fused_experts else ".weight_scale_inv"))
         fused = None if own is not None or fused_experts else _fused_scale(tensors, prefix, rows)
         scale = own if own is not None else (fused[0] if fused else None)

@@ -108,7 +108,10 @@ def arch_of(config: Mapping | None, where) -> Arch:
 
 
 def _rope(config: Mapping) -> Mapping:
-    return config.get("rope_parameters") or config.get("rope_scaling") or {}
+    """The rope a loader computes with: a legacy rope_scaling wins over rope_parameters, as transformers
+    takes it (convert_rope_params_to_dict: ``rope_scaling or rope_parameters``)."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    return rope if isinstance(rope, Mapping) else {}
 
 
 def _rope_theta(config: Mapping, arch: Arch, where) -> float:
@@ -197,7 +200,7 @@ def hparams(config: Mapping, arch: Arch, where) -> list[tuple[str, str, object]]
     vision = (config or {}).get("vision_config") or {}
     config = text_config(config)
     a = arch.name
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = _rope(config)
     if rope.get("mrope_section") and not arch.text_of:
         raise UnsupportedFormat(f"has multimodal rope sections (mrope_section), which llama.cpp's {a} does not "
                                 f"compute; nothing written", file=where)
@@ -301,8 +304,25 @@ def _gpt2_tokenizer(folder: Path, config: Mapping, root, tok, path: Path) -> lis
                                 "nothing written", file=path)
     pre = _pre_name(tok, path)
     config = text_config(config)
-    vocab = {int(i): t for t, i in model["vocab"].items()}
-    added = {int(a["id"]): a for a in tok.get("added_tokens") or [] if isinstance(a, dict) and "id" in a}
+    vocab = {}
+    for t, i in model["vocab"].items():
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise CorruptCheckpoint(f"tokenizer.json gives token {t!r} the id {i!r}, not a token id; nothing written",
+                                    file=path)
+        if i in vocab:
+            raise CorruptCheckpoint(f"tokenizer.json gives tokens {vocab[i]!r} and {t!r} the same id {i}; nothing "
+                                    f"written", file=path)
+        vocab[i] = t
+    added = {}
+    for a in tok.get("added_tokens") or []:
+        i = a.get("id") if isinstance(a, dict) else None
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0 or not isinstance(a.get("content"), str):
+            raise CorruptCheckpoint(f"tokenizer.json's added token {a!r} has no token id and content; nothing "
+                                    f"written", file=path)
+        if i in added:
+            raise CorruptCheckpoint(f"tokenizer.json gives added tokens {added[i]['content']!r} and "
+                                    f"{a['content']!r} the same id {i}; nothing written", file=path)
+        added[i] = a
     for i, a in added.items():
         vocab[i] = a["content"]
     size = int(config.get("vocab_size") or (max(vocab) + 1))
@@ -320,6 +340,13 @@ def _gpt2_tokenizer(folder: Path, config: Mapping, root, tok, path: Path) -> lis
         else:
             tokens.append(vocab[i])
             types.append(NORMAL)
+    known = set(model["vocab"])
+    for m in model.get("merges") or []:               # tokenizers' BPE refuses these too ("out of vocabulary")
+        parts = m.split(" ") if isinstance(m, str) else m
+        if not isinstance(parts, list) or len(parts) != 2 or not all(isinstance(p, str) for p in parts) \
+                or not all(p in known for p in parts + ["".join(parts)]):
+            raise CorruptCheckpoint(f"tokenizer.json's merge {m!r} is not two tokens of its vocabulary merging "
+                                    f"into a third; nothing written", file=path)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
     steps = [tok.get("pre_tokenizer") or {}]
     steps += steps[0].get("pretokenizers", []) if steps[0].get("type") == "Sequence" else []
@@ -558,6 +585,25 @@ def _f32(value) -> float:
     return v
 
 
+# config.json's structural keys and the metadata keys config_from() reads them from
+_GGUF_KEYS = {"hidden_size": "embedding_length", "num_hidden_layers": "block_count",
+              "intermediate_size": "feed_forward_length", "num_attention_heads": "attention.head_count",
+              "num_key_value_heads": "attention.head_count_kv", "head_dim": "attention.key_length",
+              "num_local_experts": "expert_count", "moe_intermediate_size": "expert_feed_forward_length",
+              "vocab_size": "vocab_size"}
+
+
+def config_names(meta: Mapping) -> dict[str, str]:
+    """config.json's structural keys as a GGUF's metadata names them (what a disagreement names)."""
+    a = meta.get("general.architecture")
+    names = {k: f"{a}.{v}" for k, v in _GGUF_KEYS.items()}
+    if f"{a}.vocab_size" not in meta:
+        names["vocab_size"] = "tokenizer.ggml.tokens' count"
+    if f"{a}.attention.head_count_kv" not in meta:
+        names["num_key_value_heads"] = f"{a}.attention.head_count"
+    return names
+
+
 def config_from(meta: Mapping, where) -> dict:
     """config.json for a GGUF's architecture, from its metadata: the inverse of hparams() (what
     llama.cpp's converter wrote from the Hugging Face config). A VL model's text decoder (qwen3vl) is
@@ -575,28 +621,39 @@ def config_from(meta: Mapping, where) -> dict:
     def need(key):
         if f"{a}.{key}" not in meta:
             raise UnsupportedFormat(f"has no {a}.{key} in its metadata, which a {a} model needs", file=where)
-        return meta[f"{a}.{key}"]
+        return whole(key, meta[f"{a}.{key}"])
 
-    heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
+    def whole(key, value):                            # a size or count: an integer (structure.py checks its range)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CorruptCheckpoint(f"its metadata's {a}.{key} is {value!r}, not an integer", file=where)
+        return value
+
+    def real(key, default):                           # a float32 hyperparameter, finite
+        value = meta.get(f"{a}.{key}", default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) < float("inf"):
+            raise CorruptCheckpoint(f"its metadata's {a}.{key} is {value!r}, not a finite number", file=where)
+        return _f32(value)
+
+    heads = need("attention.head_count")
+    hidden = need("embedding_length")
     config = {"architectures": [arch.hf_class], "model_type": arch.model_type, "hidden_size": hidden,
-              "intermediate_size": int(need("feed_forward_length")), "num_hidden_layers": int(need("block_count")),
+              "intermediate_size": need("feed_forward_length"), "num_hidden_layers": need("block_count"),
               "num_attention_heads": heads,
-              "num_key_value_heads": int(meta.get(f"{a}.attention.head_count_kv", heads)),
-              "max_position_embeddings": int(meta.get(f"{a}.context_length", 2048)),
-              "rms_norm_eps": _f32(meta.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-              "rope_parameters": {"rope_theta": _f32(meta.get(f"{a}.rope.freq_base", 10000.0)), "rope_type": "default"},
+              "num_key_value_heads": whole("attention.head_count_kv", meta.get(f"{a}.attention.head_count_kv", heads)),
+              "max_position_embeddings": whole("context_length", meta.get(f"{a}.context_length", 2048)),
+              "rms_norm_eps": real("attention.layer_norm_rms_epsilon", 1e-5),
+              "rope_parameters": {"rope_theta": real("rope.freq_base", 10000.0), "rope_type": "default"},
               "hidden_act": "silu", "attention_bias": arch.qkv_bias, "tie_word_embeddings": False}
     if f"{a}.attention.key_length" in meta:          # written where the Hugging Face config has head_dim
-        config["head_dim"] = int(meta[f"{a}.attention.key_length"])
+        config["head_dim"] = whole("attention.key_length", meta[f"{a}.attention.key_length"])
     if not arch.qkv_bias and not arch.qk_norm:
         config["mlp_bias"] = False
     if arch.moe:
-        config.update(num_local_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
-                      moe_intermediate_size=int(need("expert_feed_forward_length")), norm_topk_prob=True,
+        config.update(num_local_experts=need("expert_count"), num_experts_per_tok=need("expert_used_count"),
+                      moe_intermediate_size=need("expert_feed_forward_length"), norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=[])
     tokens = meta.get("tokenizer.ggml.tokens")
-    config["vocab_size"] = int(meta.get(f"{a}.vocab_size", len(tokens) if isinstance(tokens, list) else 0))
+    config["vocab_size"] = whole("vocab_size", meta.get(f"{a}.vocab_size", len(tokens) if isinstance(tokens, list) else 0))
     for kind in ("bos", "eos", "pad"):
         if isinstance(special_id(meta, kind), int):
             config[f"{kind}_token_id"] = special_id(meta, kind)
@@ -730,3 +787,43 @@ def _llama_tokenizer_json(meta: Mapping) -> dict:
             "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
                       "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
                       "vocab": vocab, "merges": [p for *_, p in sorted(ranked)]}}
+
+
+# The tensors structure.disagreements compares with, llama.cpp's names to Hugging Face's (stdlib: inspect)
+_STRUCTURAL = {"token_embd": "model.embed_tokens", "output": "lm_head", "attn_q": "self_attn.q_proj",
+               "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+               "ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
+               "ffn_down_exps": "mlp.experts.{e}.down_proj"}
+_GGUF_TENSOR = re.compile(r"^(?:blk\.(\d+)\.)?([a-z_]+)\.weight$")
+
+
+def structure_warnings(meta: Mapping, tensors, count) -> list[str]:
+    """Header-only (inspect): where a GGUF's hyperparameters disagree with its tensors, as
+    structure.disagreements says it of a config.json (the metadata read back as config_from() reads it).
+    TENSORS: (name, logical shape) pairs; COUNT: an array value's length (header.py elides long arrays)."""
+    from ..core.structure import disagreements, key_namer
+
+    a = meta.get("general.architecture")
+    try:
+        config = config_from({k: v for k, v in meta.items() if not k.startswith("tokenizer.")}, None)
+    except CorruptCheckpoint as exc:                  # a size that is no integer, a NaN epsilon
+        return [exc.message]
+    except UnsupportedFormat:
+        return []                                     # not an architecture qconv maps: nothing to compare
+    if f"{a}.vocab_size" not in meta:
+        config["vocab_size"] = count(meta.get("tokenizer.ggml.tokens")) or 0
+    shapes = {}
+    for name, shape in tensors:
+        m = _GGUF_TENSOR.match(name)
+        hf = _STRUCTURAL.get(m[2]) if m else None
+        if hf is None or (m[1] is None) != (m[2] in ("token_embd", "output")):
+            continue
+        hf = hf if m[1] is None else f"model.layers.{m[1]}.{hf}"
+        shape = tuple(reversed(shape))
+        if "{e}" in hf and len(shape) == 3:
+            shapes.update({hf.format(e=e) + ".weight": shape[1:] for e in range(min(shape[0], 4096))})
+        elif "{e}" not in hf:
+            shapes[hf + ".weight"] = shape
+    names = config_names(meta)
+    return [d.message(key_namer(config, names)) for d in disagreements(config, shapes)]

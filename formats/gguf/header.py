@@ -484,8 +484,8 @@ def summary(header: GGUFHeader) -> dict:
         report["tokenizer"] = {
             "model": md.get("tokenizer.ggml.model"),
             "pre": md.get("tokenizer.ggml.pre"),
-            "tokens": _count(md.get("tokenizer.ggml.tokens")),
-            "merges": _count(md.get("tokenizer.ggml.merges")),
+            "tokens": count(md.get("tokenizer.ggml.tokens")),
+            "merges": count(md.get("tokenizer.ggml.merges")),
             "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
             "chat_template": "tokenizer.chat_template" in md,
@@ -500,7 +500,8 @@ def summary(header: GGUFHeader) -> dict:
     return report
 
 
-def _count(value) -> int | None:
+def count(value) -> int | None:
+    """An array value's length, an elided one's included (None: not an array)."""
     if isinstance(value, Elided):
         return value.count
     if isinstance(value, list):

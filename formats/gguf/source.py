@@ -13,10 +13,12 @@ first file as one model (split.read_gguf: every file checked first), each tensor
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import CorruptCheckpoint, UnsupportedFormat
+from ..core import structure
 from ..storage.checkpoint import Component
 from ..storage.safetensors_header import TensorInfo
 from . import arch as garch
@@ -24,6 +26,7 @@ from .header import GGUFHeader
 from .split import read_gguf
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 ROPE_FREQS = "rope_freqs.weight"                  # llama-3's rope scaling, as llama.cpp's converter writes it
 _MODEL_DTYPES = {"BF16": "bfloat16", "F16": "float16"}
 _CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -68,24 +71,53 @@ def open_checked(path: Path) -> Opened:
     meta = full_metadata(path)
     config = garch.config_from(meta, path)
     arch = garch.ARCHS[config["model_type"]]
+    _check_blocks(header, meta, config, path)         # before anything is sized by block_count
     names = gguf_names(config, arch, path)
     factors = next((t for t in header.tensors if t.name == ROPE_FREQS), None)
-    if factors is not None:                           # llama-3's rope scaling: config.json's, not a tensor
-        if not arch.permute_qk or factors.type_name != "F32":
-            raise UnsupportedFormat(f"holds {ROPE_FREQS} ({factors.type_name}), which qconv maps back only as "
-                                    f"llama's F32 rope factors (llama-3's rope scaling); nothing written",
-                                    file=factors.file, tensor=factors.name)
-        config["rope_parameters"] = garch.llama3_rope(rope_factors(factors), config, factors.file)
     for t in header.tensors:
         if t.name == ROPE_FREQS:
             continue
         if t.name not in names:
             raise UnsupportedFormat(f"has no Hugging Face name in qconv's {arch.name} mapping; nothing written",
                                     file=t.file, tensor=t.name)
+    structure.check(config, _hf_shapes(header, names), file=path, names=garch.config_names(meta),
+                    source="its metadata")
+    if factors is not None:                           # llama-3's rope scaling: config.json's, not a tensor
+        if not arch.permute_qk or factors.type_name != "F32":
+            raise UnsupportedFormat(f"holds {ROPE_FREQS} ({factors.type_name}), which qconv maps back only as "
+                                    f"llama's F32 rope factors (llama-3's rope scaling); nothing written",
+                                    file=factors.file, tensor=factors.name)
+        config["rope_parameters"] = garch.llama3_rope(rope_factors(factors), config, factors.file)
     if "lm_head.weight" not in {names.get(t.name) for t in header.tensors}:
         config["tie_word_embeddings"] = True          # llama.cpp falls back to token_embd, as transformers does
     config["dtype"] = model_dtype(header)
     return Opened(header, meta, config, arch, {t.name: names[t.name] for t in header.tensors if t.name != ROPE_FREQS})
+
+
+def _check_blocks(header: GGUFHeader, meta: dict, config: dict, path: Path) -> None:
+    """block_count against the blk.N tensors the file holds: every one of 0 .. block_count - 1, no other."""
+    have = sorted({int(m[1]) for t in header.tensors if (m := _BLOCK.match(t.name))})
+    n = config["num_hidden_layers"]
+    if have and (have != list(range(len(have))) or len(have) != n):
+        missing = next((i for i in range(max(n, 0)) if i >= len(have) or have[i] != i), None)
+        key = garch.config_names(meta)["num_hidden_layers"]
+        raise CorruptCheckpoint(f"its metadata's {key} is {n}, but the file holds {len(have)} blocks (blk.{have[0]} "
+                                f".. blk.{have[-1]}{f', blk.{missing} missing' if missing is not None else ''}): "
+                                f"llama.cpp builds the model from the metadata; nothing written", file=path)
+
+
+def _hf_shapes(header: GGUFHeader, names: dict) -> dict[str, tuple]:
+    """Hugging Face name -> logical shape of every tensor (stacked experts as one per expert)."""
+    shapes = {}
+    for t in header.tensors:
+        if t.name not in names:
+            continue
+        hf, shape = names[t.name], tuple(reversed(t.shape))
+        if len(shape) == 3 and ".experts." in hf:
+            shapes.update({hf.replace(".experts.", f".experts.{e}."): shape[1:] for e in range(shape[0])})
+        else:
+            shapes[hf] = shape
+    return shapes
 
 
 def rope_factors(t):
@@ -148,7 +180,7 @@ def open_gguf(path: Path) -> Component:
                         f"decoded as `qconv dequantize` decodes them (the folder formats keep them float)")
     return Component(name=path.name, path=path, files=header.files or (path,), headers={}, tensors=tensors,
                      made_files=functools.partial(tokenizer_docs, path), warnings=tuple(warnings),
-                     config=config)
+                     config=config, config_names=garch.config_names(g.meta))
 
 
 def _decoded_tensor(t, hf: str, shape: tuple, code: str) -> TensorInfo:

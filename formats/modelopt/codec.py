@@ -105,16 +105,7 @@ def fit_nvfp4(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str |
     per group, a float32 global multiplier per module. Codes are kept from NVFP4 sources (either
     dialect); for any other source the reason is returned and plan_nvfp4 refuses it, naming the file
     (no path requantizes into this target: it would need a calibrated input_scale). Every option is
-    ModelOpt's choice: refused."""
-    from ...errors import UsageError
-
-    for option, value in (("--bits", request.bits), ("--group-size", request.group_size),
-                          ("--sym/--asym", request.sym), ("--scale-dtype", request.scale_dtype),
-                          ("--block-size", request.block_size)):
-        if value is not None:
-            raise UsageError(f"{option}: {NVFP4_TARGET} is NVFP4 as ModelOpt writes it (e2m1 in groups of "
-                             f"{NVFP4_GROUP}, e4m3 scales, float32 weight_scale_2 and input_scale); it takes no "
-                             f"such setting")
+    ModelOpt's choice: it takes none (Target.options; convert.check_options refuses them)."""
     if src.scheme == "e2m1" and src.global_scale is not None and src.group_size == NVFP4_GROUP:
         return _nvfp4_spec(), None
     if src.scheme == "float":

@@ -122,6 +122,8 @@ class Component:
     # a container with no folder to carry files from (a GGUF): () -> {file name: JSON document} a folder
     # written from it gets (its tokenizer.json / tokenizer_config.json); picklable, for --jobs workers
     made_files: Callable[[], Mapping[str, object]] | None = None
+    # config keys as the source names them where config is not its config.json (a GGUF's metadata keys)
+    config_names: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def bytes_on_disk(self) -> int:

@@ -156,10 +156,10 @@ def test_outputs_load_in_transformers(tmp_path, src, args):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--bits", "8"], "--bits is an integer setting"),
-    (["--group-size", "128"], "--group-size is an integer setting"),
-    (["--sym"], "--sym/--asym is an integer setting"),
-    (["--scale-dtype", "float32"], "stores scales in the model's dtype"),
+    (["--bits", "8"], "--bits: --to compressed-tensors-fp8 takes no such option; its options are --block-size"),
+    (["--group-size", "128"], "--group-size: --to compressed-tensors-fp8 takes no such option"),
+    (["--sym"], "--sym/--asym: --to compressed-tensors-fp8 takes no such option"),
+    (["--scale-dtype", "float32"], "--scale-dtype: --to compressed-tensors-fp8 takes no such option"),
 ])
 def test_integer_options_are_usage_errors(tmp_path, args, needle):
     proc = run_qconv("convert", CHECKPOINTS / "llama-fp16", tmp_path / "out", "--to", TARGET, *args)

@@ -77,9 +77,9 @@ def test_output_loads_in_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--bits", "4"], "--bits: compressed-tensors-mxfp4 is MXFP4 as llm-compressor writes it"),
-    (["--group-size", "32"], "--group-size: compressed-tensors-mxfp4"),
-    (["--scale-dtype", "float16"], "--scale-dtype: compressed-tensors-mxfp4"),
+    (["--bits", "4"], "--bits: --to compressed-tensors-mxfp4 takes no such option"),
+    (["--group-size", "32"], "--group-size: --to compressed-tensors-mxfp4"),
+    (["--scale-dtype", "float16"], "--scale-dtype: --to compressed-tensors-mxfp4"),
 ])
 def test_options_are_usage_errors(tmp_path, args, needle):
     proc = run_qconv("convert", CHECKPOINTS / "llama-fp16", tmp_path / "out", "--to", TARGET, *args)

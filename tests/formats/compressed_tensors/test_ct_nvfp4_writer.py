@@ -133,10 +133,10 @@ def test_outputs_load_in_transformers(tmp_path, src):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--bits", "4"], "--bits: compressed-tensors-nvfp4 is NVFP4 as llm-compressor writes it"),
-    (["--group-size", "32"], "--group-size: compressed-tensors-nvfp4"),
-    (["--scale-dtype", "float16"], "--scale-dtype: compressed-tensors-nvfp4"),
-    (["--block-size", "128x128"], "--block-size: compressed-tensors-nvfp4"),
+    (["--bits", "4"], "--bits: --to compressed-tensors-nvfp4 takes no such option"),
+    (["--group-size", "32"], "--group-size: --to compressed-tensors-nvfp4"),
+    (["--scale-dtype", "float16"], "--scale-dtype: --to compressed-tensors-nvfp4"),
+    (["--block-size", "128x128"], "--block-size: --to compressed-tensors-nvfp4"),
 ])
 def test_options_are_usage_errors(tmp_path, args, needle):
     proc = run_qconv("convert", CHECKPOINTS / "llama-fp16", tmp_path / "out", "--to", TARGET, *args)

@@ -113,12 +113,19 @@ def test_the_split_is_the_same_whatever_the_jobs(tmp_path):
 
 def test_an_odd_gate_up_is_refused_not_split(tmp_path):
     """A fused gate_up_proj with an odd number of rows per expert has no gate half and up half: convert
-    refuses it (exit 5, one line naming it); validate leaves it fused, unpaired, and fails (exit 1)."""
+    refuses it (exit 5, one line naming it); validate leaves it fused, unpaired, and fails (exit 1). The
+    config says no moe_intermediate_size (an architecture qconv's structure checks do not size: with one,
+    255 rows against 2 x 128 is refused first, as a config the tensors contradict, exit 4)."""
     run_qconv("dequantize", FUSED, tmp_path / "fused", check=0)
     path = tmp_path / "fused" / "model.safetensors"
     tensors = load_file(path)
     tensors[MOE + ".gate_up_proj"] = tensors[MOE + ".gate_up_proj"][:, :255].contiguous()
     save_file(tensors, path, metadata={"format": "pt"})
+    one_error(run_qconv("convert", tmp_path / "fused", tmp_path / "out", "--to", "gptq"), 4,
+              "moe_intermediate_size (128) x its gate and up halves (2) is 256, but it has 255 rows per expert")
+    config = json.loads((tmp_path / "fused" / "config.json").read_text())
+    del config["moe_intermediate_size"]
+    (tmp_path / "fused" / "config.json").write_text(json.dumps(config))
     one_error(run_qconv("convert", tmp_path / "fused", tmp_path / "out", "--to", "gptq"), 5,
               "cannot be split", "255 gate_up_proj rows per expert: not a gate half and an up half",
               MOE + ".gate_up_proj")

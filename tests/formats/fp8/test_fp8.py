@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from conftest import CHECKPOINTS, copy_checkpoint, inspect_json, load_tensors, run_qconv
 
 GATE = "model.layers.0.mlp.gate_proj"
+RAGGED = "model.layers.0.mlp.ragged_proj"
 MOE = "model.layers.0.mlp.experts"
 
 
@@ -32,16 +33,18 @@ def test_ragged_blocks_take_the_block_size_from_the_config(tmp_path, rows, cols)
     """A dimension that is not a multiple of the block (DeepSeek's kv_a_proj_with_mqa, 576 x 7168 with a
     5 x 56 scale) has a last, partial block. Cut out of a producer-made 512 x 256 module, codes and
     scales as transformers wrote them, it must decode to the same corner of the producer's own oracle:
-    the block size comes from weight_block_size, never from dividing the shapes (576 / 5 is not 128)."""
+    the block size comes from weight_block_size, never from dividing the shapes (576 / 5 is not 128).
+    The cut is stored as a Linear of its own beside gate_proj (one the config does not size, as
+    kv_a_proj_with_mqa is sized by kv_lora_rank): the model's own modules stay as its config says."""
     src = copy_checkpoint("llama-fp8-block", tmp_path / "src")
     tensors = load_file(src / "model.safetensors")
     w, s = tensors[GATE + ".weight"], tensors[GATE + ".weight_scale_inv"]
-    tensors[GATE + ".weight"] = w[:rows, :cols].contiguous()
-    tensors[GATE + ".weight_scale_inv"] = s[: math.ceil(rows / 128), : math.ceil(cols / 128)].contiguous()
+    tensors[RAGGED + ".weight"] = w[:rows, :cols].clone()
+    tensors[RAGGED + ".weight_scale_inv"] = s[: math.ceil(rows / 128), : math.ceil(cols / 128)].clone()
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     run_qconv("dequantize", "--dtype", "float32", src, tmp_path / "out", check=0)
     oracle = load_file(CHECKPOINTS / "llama-fp8-block" / "oracle" / "dequant.safetensors")[GATE + ".weight"]
-    got = load_file(tmp_path / "out" / "model.safetensors")[GATE + ".weight"]
+    got = load_file(tmp_path / "out" / "model.safetensors")[RAGGED + ".weight"]
     assert torch.equal(got, oracle[:rows, :cols])
 
 

@@ -215,7 +215,8 @@ def test_version_2_is_read_and_big_endian_refused(small, tmp_path):
 
 def test_inspect_cli_json_and_text(small):
     doc = json.loads(run_qconv("inspect", "--json", small, check=0).stdout)
-    assert doc == {"path": str(small), "kind": "gguf", "gguf": json.loads(json.dumps(summary(read_header(small))))}
+    assert doc == {"path": str(small), "kind": "gguf", "gguf": json.loads(json.dumps(summary(read_header(small)))),
+                   "warnings": []}
     text = run_qconv("inspect", "--strict", small, check=0).stdout
     assert text.startswith("small.gguf: GGUF v3, llama 'Tiny Llama', file type Q8_0\n")
     for needle in ("9 tensors", "Q4_K", "4.5", "tokenizer: gpt2 (pre qwen2), 100 tokens, 10 merges, bos 1, eos 2, "

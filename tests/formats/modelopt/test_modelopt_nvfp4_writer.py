@@ -194,9 +194,9 @@ def test_fused_modules_share_their_largest_input_scale(tmp_path):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--bits", "4"], "--bits: modelopt-nvfp4 is NVFP4 as ModelOpt writes it"),
-    (["--group-size", "32"], "--group-size: modelopt-nvfp4"),
-    (["--scale-dtype", "float16"], "--scale-dtype: modelopt-nvfp4"),
+    (["--bits", "4"], "--bits: --to modelopt-nvfp4 takes no such option; it takes no target options"),
+    (["--group-size", "32"], "--group-size: --to modelopt-nvfp4 takes no such option"),
+    (["--scale-dtype", "float16"], "--scale-dtype: --to modelopt-nvfp4 takes no such option"),
 ])
 def test_options_are_usage_errors(tmp_path, args, needle):
     proc = run_qconv("convert", MODELOPT, tmp_path / "out", "--to", TARGET, *args)
