@@ -71,13 +71,24 @@ SPM_STRINGS = ["Hello world", " leading space", "  two leading spaces", "trailin
 
 def spm_folder(dst: Path, *, tokenizer_json: dict | None = None, model: bytes | None = None, **config) -> Path:
     """llama-gptq-w8g128's weights and config (config.json updated by ``config``) with the SentencePiece
-    fixture's tokenizer.model (or ``model``) and tokenizer_config.json instead of its own tokenizer."""
+    fixture's tokenizer.model (or ``model``) and tokenizer_config.json instead of its own tokenizer. A
+    larger vocab_size pads the embeddings and lm_head with zero rows to it, as producers pad a vocabulary
+    (a config whose vocab_size the embeddings contradict is refused: issue 35)."""
     shutil.copytree(CHECKPOINTS / "llama-gptq-w8g128", dst, ignore=shutil.ignore_patterns("tokenizer*", "oracle"))
     (dst / "tokenizer.model").write_bytes(model if model is not None else (SPM / "tokenizer.model").read_bytes())
     shutil.copy(SPM / "tokenizer_config.json", dst)
     if config:
         doc = json.loads((dst / "config.json").read_text())
         (dst / "config.json").write_text(json.dumps({**doc, **config}, indent=2))
+    if "vocab_size" in config:
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(dst / "model.safetensors")
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            t = tensors[name]
+            tensors[name] = torch.cat([t, t.new_zeros(config["vocab_size"] - t.shape[0], t.shape[1])])
+        save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     if tokenizer_json is not None:
         (dst / "tokenizer.json").write_text(json.dumps(tokenizer_json))
     return dst
