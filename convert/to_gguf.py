@@ -480,10 +480,10 @@ def _check_metadata(meta: list, where) -> None:
             continue
         element = kind[:-2] if kind.endswith("[]") else kind
         values = value if kind.endswith("[]") else [value]
-        bad = next((v for v in values if not _FITS[element](v)), None) if element in _FITS else None
-        if bad is not None or (element in ("f32",) and any(v != v for v in values)):
-            shown = bad if bad is not None else "NaN"
-            raise CorruptCheckpoint(f"gives GGUF's {key} the value {shown!r}, which its {element} cannot hold; "
+        fits = _FITS.get(element, lambda v: True)
+        bad = [v for v in values if not fits(v)]      # NaN too: abs(nan) <= _F32_MAX is False
+        if bad:
+            raise CorruptCheckpoint(f"gives GGUF's {key} the value {bad[0]!r}, which its {element} cannot hold; "
                                     f"nothing written", file=where)
 
 

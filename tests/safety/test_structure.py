@@ -50,7 +50,6 @@ def _verb_args(verb: str, src: Path, dst: Path, original: Path) -> list:
     return {"inspect": ["inspect", "--strict", src],
             "dequantize": ["dequantize", src, dst],
             "to-gptq": ["convert", "--to", "gptq", src, dst],
-            "to-ct-nvfp4": ["convert", "--to", "compressed-tensors-nvfp4", src, dst],
             "to-gguf": ["convert", "--to", "gguf", src, dst.with_suffix(".gguf")],
             "validate": ["validate", src, original]}[verb]
 
