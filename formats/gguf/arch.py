@@ -813,6 +813,14 @@ def structure_warnings(meta: Mapping, tensors, count) -> list[str]:
         return []                                     # not an architecture qconv maps: nothing to compare
     if f"{a}.vocab_size" not in meta:
         config["vocab_size"] = count(meta.get("tokenizer.ggml.tokens")) or 0
+    names = config_names(meta)
+    return [d.message(key_namer(config, names)) for d in disagreements(config, structural_shapes(tensors))]
+
+
+def structural_shapes(tensors) -> dict[str, tuple]:
+    """The tensors structure.disagreements compares with, from a GGUF's header: TENSORS as (name, GGUF
+    shape) pairs -> {Hugging Face name: logical shape}, stacked experts one per expert (stdlib, and
+    bounded by the names alone: nothing sized by the metadata)."""
     shapes = {}
     for name, shape in tensors:
         m = _GGUF_TENSOR.match(name)
@@ -825,5 +833,4 @@ def structure_warnings(meta: Mapping, tensors, count) -> list[str]:
             shapes.update({hf.format(e=e) + ".weight": shape[1:] for e in range(min(shape[0], 4096))})
         elif "{e}" not in hf:
             shapes[hf + ".weight"] = shape
-    names = config_names(meta)
-    return [d.message(key_namer(config, names)) for d in disagreements(config, shapes)]
+    return shapes

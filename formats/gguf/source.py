@@ -13,7 +13,6 @@ first file as one model (split.read_gguf: every file checked first), each tensor
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +25,6 @@ from .header import GGUFHeader
 from .split import read_gguf
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
-_BLOCK = re.compile(r"blk\.(\d+)\.")
 ROPE_FREQS = "rope_freqs.weight"                  # llama-3's rope scaling, as llama.cpp's converter writes it
 _MODEL_DTYPES = {"BF16": "bfloat16", "F16": "float16"}
 _CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -71,7 +69,9 @@ def open_checked(path: Path) -> Opened:
     meta = full_metadata(path)
     config = garch.config_from(meta, path)
     arch = garch.ARCHS[config["model_type"]]
-    _check_blocks(header, meta, config, path)         # before anything is sized by block_count
+    # the metadata against the tensors (structure.py), before anything is sized by block_count
+    structure.check(config, garch.structural_shapes((t.name, t.shape) for t in header.tensors), file=path,
+                    names=garch.config_names(meta), source="its metadata")
     names = gguf_names(config, arch, path)
     factors = next((t for t in header.tensors if t.name == ROPE_FREQS), None)
     for t in header.tensors:
@@ -80,8 +80,6 @@ def open_checked(path: Path) -> Opened:
         if t.name not in names:
             raise UnsupportedFormat(f"has no Hugging Face name in qconv's {arch.name} mapping; nothing written",
                                     file=t.file, tensor=t.name)
-    structure.check(config, _hf_shapes(header, names), file=path, names=garch.config_names(meta),
-                    source="its metadata")
     if factors is not None:                           # llama-3's rope scaling: config.json's, not a tensor
         if not arch.permute_qk or factors.type_name != "F32":
             raise UnsupportedFormat(f"holds {ROPE_FREQS} ({factors.type_name}), which qconv maps back only as "
@@ -92,32 +90,6 @@ def open_checked(path: Path) -> Opened:
         config["tie_word_embeddings"] = True          # llama.cpp falls back to token_embd, as transformers does
     config["dtype"] = model_dtype(header)
     return Opened(header, meta, config, arch, {t.name: names[t.name] for t in header.tensors if t.name != ROPE_FREQS})
-
-
-def _check_blocks(header: GGUFHeader, meta: dict, config: dict, path: Path) -> None:
-    """block_count against the blk.N tensors the file holds: every one of 0 .. block_count - 1, no other."""
-    have = sorted({int(m[1]) for t in header.tensors if (m := _BLOCK.match(t.name))})
-    n = config["num_hidden_layers"]
-    if have and (have != list(range(len(have))) or len(have) != n):
-        missing = next((i for i in range(max(n, 0)) if i >= len(have) or have[i] != i), None)
-        key = garch.config_names(meta)["num_hidden_layers"]
-        raise CorruptCheckpoint(f"its metadata's {key} is {n}, but the file holds {len(have)} blocks (blk.{have[0]} "
-                                f".. blk.{have[-1]}{f', blk.{missing} missing' if missing is not None else ''}): "
-                                f"llama.cpp builds the model from the metadata; nothing written", file=path)
-
-
-def _hf_shapes(header: GGUFHeader, names: dict) -> dict[str, tuple]:
-    """Hugging Face name -> logical shape of every tensor (stacked experts as one per expert)."""
-    shapes = {}
-    for t in header.tensors:
-        if t.name not in names:
-            continue
-        hf, shape = names[t.name], tuple(reversed(t.shape))
-        if len(shape) == 3 and ".experts." in hf:
-            shapes.update({hf.replace(".experts.", f".experts.{e}."): shape[1:] for e in range(shape[0])})
-        else:
-            shapes[hf] = shape
-    return shapes
 
 
 def rope_factors(t):
