@@ -31,7 +31,7 @@ from ..formats.gptq import codec as gptq_codec
 from ..formats.gptq.header import block_prefix
 from ..formats.storage.checkpoint import Component
 from ..formats.core.registry import AUTO_ROUND_AWQ_TARGET, ModuleContext, WriteContext, family as registered_family, target as registered_target, targets as registered_targets
-from ..formats.core.detect import METHOD_NAMES, Detection
+from ..formats.core.detect import METHOD_NAMES, Detection, without_quantization
 from ..formats.bnb.codec import STORAGE_CODES, scb_from_scales as _scb_from_scales  # noqa: F401 (tests import it here)
 from ..formats.core.ir import FloatSpec, FloatWeight, QuantSpec, QuantTensor
 from ..formats.core.minifloat import BOOKS
@@ -293,8 +293,15 @@ def _negotiate(m: QuantModule, src, opts: Options, where, caps) -> tuple[int, in
         group = _default_group(src.group_size, inp)
     else:
         group = src.group_size
+    if caps is not None and caps.group_sizes and group > 0 and group not in caps.group_sizes:
+        if opts.group_size is not None:
+            raise UsageError(f"--group-size {group}: {opts.to} stores groups of "
+                             f"{', '.join(map(str, sorted(caps.group_sizes)))} only", tensor=m.name, file=where)
+        group = _default_group(None, inp)
+    tiled = False                               # a per-row source kept in groups (Caps.tiles_rows)
     if caps is not None:
         if group <= 0 and not caps.per_row:
+            tiled = caps.tiles_rows and not codebook and src.group_size <= 0 and opts.group_size is None
             if opts.group_size is not None:
                 raise UsageError(f"{opts.to} stores groups, not one scale per output row: give --group-size "
                                  f"a divisor of {inp}", tensor=m.name, file=where)
@@ -307,7 +314,7 @@ def _negotiate(m: QuantModule, src, opts: Options, where, caps) -> tuple[int, in
                 raise UsageError(f"{opts.to} stores one scale per output row: use --group-size -1",
                                  tensor=m.name, file=where)
             group = -1
-    sym = (True if codebook else src.symmetric) if opts.sym is None else opts.sym
+    sym = (getattr(src, "symmetric", True) if codebook else src.symmetric) if opts.sym is None else opts.sym
     if caps is not None and not sym and not caps.asym:
         if caps.asym_refusal:
             raise UnsupportedFormat(caps.asym_refusal, tensor=m.name, file=where)
@@ -321,7 +328,7 @@ def _negotiate(m: QuantModule, src, opts: Options, where, caps) -> tuple[int, in
         reason = f"{src.name} codes are not integers"
     elif bits != src.bits:
         reason = f"{src.bits}-bit codes become {bits}-bit"
-    elif group != src.group_size and not (group <= 0 and src.group_size <= 0):
+    elif group != src.group_size and not (group <= 0 and src.group_size <= 0) and not tiled:
         reason = f"group size {src.group_size} becomes {group}"
     elif sym and not src.symmetric:
         reason = "asymmetric zero points become symmetric"
@@ -378,7 +385,9 @@ def _retarget(qt: QuantTensor, spec: QuantSpec, stats: Stats, tgt, settings: dic
     one: bitsandbytes' SCB = s * 127, its double quantization kept or dropped)."""
     if tgt.retarget is not None:
         qt, exact = tgt.retarget(qt, spec, settings)
-        if exact is not None:
+        if isinstance(exact, tuple):            # (exact, stored) of every value it stores (MLX: scales, biases)
+            stats.scale_rounding(*exact)
+        elif exact is not None:
             stats.scale_rounding(exact, qt.scales)
         return qt
     src = qt.spec
@@ -414,7 +423,7 @@ def _layer_error(w: np.ndarray, qt: QuantTensor, rtn: QuantTensor):
 
 
 def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, cache: _ModuleCache,
-                   tally: Tally, src_dtype: str, with_g_idx: bool, lossy: str | None):
+                   tally: Tally, src_dtype: str, with_g_idx: bool, lossy: str | None, src_spec=None):
     """(settings, outputs) for one module: the write settings its target's plan gives it (Target.plan;
     {} for targets without one), and outputs(settings) -> its output tensors, planned from headers
     (data encoded only when the writer asks). Every module is planned before any is laid out, so that
@@ -467,7 +476,7 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
     settings = {}
     if tgt.plan is not None:                  # settings the header needs first (a nested double-quant offset)
         settings = tgt.plan(ModuleContext(m, spec, lossy, opts, m.details.get("dtype") or src_dtype,
-                                          lambda trial: encoded(trial), weights, comp.tensors))
+                                          lambda trial: encoded(trial), weights, comp.tensors, src_spec))
 
     def outputs(settings: dict) -> list[OutTensor]:
         def tensor(leaf, dtype, shape):
@@ -547,7 +556,7 @@ def _plan(comp: Component, opts: Options) -> _Planned:
         if with_g_idx:
             act_order_kept.append(m.name)
         settings[m.name], writers[m.name] = _module_writer(comp, det, m, spec, opts, cache, tally, src_dtype,
-                                                           with_g_idx, lossy)
+                                                           with_g_idx, lossy, src_spec)
     tgt = registered_target(opts.to)
     if tgt.share is not None:
         try:
@@ -560,9 +569,16 @@ def _plan(comp: Component, opts: Options) -> _Planned:
     for name, info in comp.tensors.items():
         if name not in claimed:
             outputs[name] = passthrough(info)
-    config = dict(comp.config) if comp.config is not None else {}
+    if tgt.arrange is not None:                 # as its loaders name and shape them (MLX: stacked experts)
+        try:
+            outputs = tgt.arrange(outputs)
+        except ValueError as exc:
+            raise UnsupportedFormat(f"cannot be written as {opts.to}: {exc}", file=comp.path) from None
+    config = without_quantization(comp.config) if comp.config is not None else {}
     config["quantization_config"] = _quant_config(comp, opts, specs, bool(act_order_kept), settings,
                                                   frozenset(n for n, why in lossy_of.items() if why))
+    if tgt.model_config is not None:            # the keys its loaders read beyond quantization_config
+        config = tgt.model_config(config)
     return _Planned(det, modules, opts, outputs, config, tally)
 
 
@@ -668,6 +684,9 @@ def _source_spec(comp, det: Detection, m: QuantModule, src_dtype: str) -> QuantS
     """The source module's spec without decoding its data (from headers and config)."""
     if m.family == "float":
         return FloatSpec(m.scheme)
+    own = registered_family(m.family).spec(m, comp.tensors, det.qc)
+    if own is not None:                         # the family's own rule (MLX: zero points from the data)
+        return own
     if m.details.get("float_spec") is not None:   # a stored type with no exact form here (GGUF's K-quants)
         return FloatSpec(**m.details["float_spec"])
     if m.family == "bnb8":

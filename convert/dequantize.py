@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpoint, UnsupportedFormat
 from ..formats.storage.checkpoint import Component
-from ..formats.core.detect import Detection
+from ..formats.core.detect import Detection, without_quantization
 from ..formats.core.layout import QuantModule, natural_key
 from ..formats.core.reader import model_dtype, read_module, require_decodable
 from ..formats.core.registry import family
@@ -90,7 +90,7 @@ def plan_component(comp: Component, det: Detection, code: str) -> list[OutTensor
 
 
 def rewrite_config(config: dict, dtype: str) -> dict:
-    cfg = {k: v for k, v in config.items() if k != "quantization_config"}
+    cfg = without_quantization(config)
 
     def set_dtype(d: dict, top: bool):
         keys = [k for k in ("dtype", "torch_dtype") if k in d]

@@ -58,12 +58,12 @@ def config_method(qc: Mapping | None) -> str | None:
         return "bnb4" if b["load_in_4bit"] else "bnb8" if b["load_in_8bit"] else "bitsandbytes"
     if method in ("auto-round", "intel/auto-round"):
         return "auto-round"
-    if method is None and "bits" in qc:          # a bare AutoGPTQ quantize_config.json
-        return "gptq"
-    if method is None:                           # a bare side config a dialect recognises (ModelOpt's)
+    if method is None:                           # a bare config a dialect recognises (ModelOpt's, MLX's)
         for dialect in dialects():
             if dialect.bare is not None and dialect.bare(qc):
                 return dialect.name
+    if method is None and "bits" in qc:          # a bare AutoGPTQ quantize_config.json
+        return "gptq"
     return str(method)
 
 
@@ -76,8 +76,20 @@ def unaccounted_tensors(tensors: Mapping[str, TensorInfo], claimed: set[str]) ->
         key=natural_key))
 
 
+# The model config keys loaders read a quantization from: transformers' quantization_config, and mlx-lm's
+# quantization (which mlx-lm reads first). A writer drops both before writing its own (or none).
+QUANT_CONFIG_KEYS = ("quantization_config", "quantization")
+
+
+def without_quantization(config: Mapping) -> dict:
+    """The model config with no quantization any loader would read (QUANT_CONFIG_KEYS)."""
+    return {k: v for k, v in config.items() if k not in QUANT_CONFIG_KEYS}
+
+
 def quant_config(comp: Component, warnings: list[str]) -> tuple[dict | None, str | None]:
     qc = (comp.config or {}).get("quantization_config")
+    if not qc and isinstance((comp.config or {}).get("quantization"), dict):
+        qc = comp.config["quantization"]         # mlx-lm's own key (older mlx-lm writes only this one)
     if qc:
         for name, side in comp.side_configs.items():
             for key in ("bits", "group_size", "sym", "desc_act"):

@@ -218,6 +218,8 @@ class FloatSpec:
     scale_divisor: int = 1
     bits: int = 4                    # a requantization's default bit width (--bits overrides it)
     origin: str | None = None        # None: an unquantized weight; else where its weights were decoded from
+    symmetric: bool = True           # a requantization's default zero points (False: asymmetric, the grid of
+                                     # the stored type: MLX's affine biases)
 
     def requantized(self, to: str = "") -> str:
         """Why the module is quantized, for the report (``to``: " to e4m3", ...)."""

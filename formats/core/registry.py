@@ -42,6 +42,10 @@ class Family:
     rows: int | str = 32             # a row window's ends: multiples of this (or a codec function of m)
     scale_tensor: str | None = None  # its modules' scale tensor (m.name + this), read alone where the
                                      # data decides a target's scale dtype (convert._kept_scale_dtype)
+    # (m, tensors, qc) -> QuantSpec | FloatSpec: a module's spec where the headers alone do not say it
+    # (MLX: integer zero points, or none, decided from its scales and biases); a codec function name.
+    # None: convert derives it from the module's headers.
+    source_spec: str | None = None
 
     def read(self, m: QuantModule, tensors: Mapping, qc: Mapping | None, dtype: str,
              rows: tuple[int, int] | None = None):
@@ -50,6 +54,12 @@ class Family:
         at a time holds a bounded part of any layer."""
         fn = getattr(importlib.import_module(f"{_FORMATS}.{self.codec}"), self.reader)
         return fn(m, tensors, qc, dtype) if rows is None else fn(m, tensors, qc, dtype, rows)
+
+    def spec(self, m: QuantModule, tensors: Mapping, qc: Mapping | None):
+        """The module's spec from its family's own rule (source_spec), else None."""
+        if self.source_spec is None:
+            return None
+        return getattr(importlib.import_module(f"{_FORMATS}.{self.codec}"), self.source_spec)(m, tensors, qc)
 
     def row_step(self, m: QuantModule) -> int:
         if isinstance(self.rows, int):
@@ -117,6 +127,7 @@ def _register_builtin() -> None:
     from ..fp8 import header as fp8
     from ..gguf import header as gguf
     from ..gptq import header as gptq
+    from ..mlx import header as mlx
     from ..modelopt import header as modelopt
     from ..mxfp4 import header as mxfp4
 
@@ -166,6 +177,10 @@ def _register_builtin() -> None:
     # permuted llama q / k is read whole (codec.row_step)
     register(Family("gguf", "GGUF", frozenset({"gguf"}), lambda method, qc: method == "gguf", gguf.find_modules,
                     gguf.check, "gguf.codec", gguf.settings, symmetric=lambda m, qc: True, rows="row_step"))
+    # Apple MLX (mlx-lm): affine codes, scales and biases; its config has no quant_method (Dialect bare)
+    register(Family("mlx", "MLX", frozenset({"mlx"}), lambda method, qc: method == "mlx", mlx.find_modules,
+                    mlx.check, "mlx.codec", mlx.settings, rows=1, scale_tensor=".scales", source_spec="source_spec",
+                    symmetric=lambda m, qc: False))
     register(Dialect("bitsandbytes", frozenset({"bnb8", "bnb4", "bitsandbytes"}), bnb.lint))
     register(Dialect("gptq", frozenset({"gptq", "auto-round"}), gptq.lint))
     register(Dialect("awq", frozenset({"awq"}), awq.lint))
@@ -174,6 +189,7 @@ def _register_builtin() -> None:
     register(Dialect("modelopt", frozenset({"modelopt"}), modelopt.lint, bare=modelopt.is_side_config))
     register(Dialect("mxfp4", frozenset({"mxfp4"}), mxfp4.lint, refuse=mxfp4.refuse))
     register(Dialect("gguf", frozenset({"gguf"}), gguf.lint))
+    register(Dialect("mlx", frozenset({"mlx"}), mlx.lint, refuse=mlx.refuse, bare=mlx.is_config))
 
 
 _register_builtin()
@@ -198,6 +214,10 @@ class Caps:
     asym_refusal: str | None = None  # asym not storable: refuse with this (None: requantize symmetric)
     one_group_size: bool = False     # its config holds one group size for every module
     fused_experts: bool = False      # holds fused 3-D MoE experts (QuantModule.experts) as they are
+    tiles_rows: bool = False         # without per_row: a one-group-per-row source keeps its codes, its scale
+                                     # and zero point repeated in every group (its retarget tiles them)
+    group_sizes: frozenset | None = None  # the only group sizes it stores (None: any that divides in);
+                                     # another is requantized to the first of 128, 64, 32 that divides in
 
 
 @dataclass(frozen=True)
@@ -227,6 +247,7 @@ class ModuleContext:
                                      # module's statistics: NVFP4's absolute maximum)
     tensors: Mapping | None = None   # the source component's tensors (name -> TensorInfo), for a plan that
                                      # reads a module's small state (ModelOpt NVFP4: the per-tensor scales)
+    source_spec: object = None       # the module's spec in the source (QuantSpec or FloatSpec: its scale divisor)
 
 
 # convert's options of the integer targets (bits, groups, zero points, scale dtype: Caps negotiates them)
@@ -285,6 +306,12 @@ class Target:
     retarget: Callable | None = None
     # the convert options (convert.Options' fields) it takes; any other one given is a usage error (exit 2)
     options: frozenset = INTEGER_OPTIONS
+    # (config) -> config: the model config's keys its loaders read beyond quantization_config (MLX: the
+    # same dict as "quantization", rope_theta at the top level). None: the config as convert makes it.
+    model_config: Callable | None = None
+    # ({name: OutTensor}) -> {name: OutTensor}: the output tensors as its loaders name and shape them, made
+    # from the planned ones (MLX: per-expert Linears stacked into switch_mlp tensors). None: as planned.
+    arrange: Callable | None = None
 
     def module_leaves(self, spec, shape: tuple[int, int], g_idx: bool, settings: Mapping | None = None) -> dict:
         """leaves for one module, given the settings plan gave it (targets without plan take none)."""
@@ -370,6 +397,7 @@ def _register_targets() -> None:
     from ..compressed_tensors import header as compressed_tensors
     from ..fp8 import header as fp8
     from ..gptq import header as gptq
+    from ..mlx import header as mlx
     from ..modelopt import header as modelopt
 
     int_2_8 = frozenset(range(2, 9))
@@ -463,6 +491,13 @@ def _register_targets() -> None:
                                options=BNB4_OPTIONS,
                                requantize=_lazy("bnb.codec", "requantize_4bit"),
                                retarget=_lazy("bnb.codec", "retarget_4bit")))
+    # Apple MLX affine (mlx-lm): integer codes kept with b = -s * z, scales and biases in a dtype that holds
+    # them exactly (plan), groups of 32 / 64 / 128, mlx-lm's config keys (model_config); mlx/.
+    register_target(Target("mlx", "mlx", Caps(frozenset(mlx.BITS) - {1}, per_row=False, tiles_rows=True, fallback_bits=8,
+                                              divisor_scale="F16", group_sizes=frozenset(mlx.GROUPS)),
+                           mlx.writer_leaves, mlx.writer_config, "mlx.codec", plan=_lazy("mlx.codec", "plan"),
+                           retarget=_lazy("mlx.codec", "retarget"), share=mlx.share, model_config=mlx.model_config,
+                           arrange=mlx.arrange))
 
 
 _register_targets()

@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from qconv.convert.convert import Options, check_results, convert
-from qconv.errors import UnsupportedFormat
+from qconv.errors import UnsupportedFormat, ValidationFailed
 from qconv.formats.storage.checkpoint import open_target
 from qconv.formats.core.detect import detect
 from qconv.formats.core.reader import read_module
@@ -24,8 +24,10 @@ TARGETS = {"gptq": "GPTQ", "gptq-v2": "GPTQ", "auto-round": "auto-round", "bnb8"
            "compressed-tensors": "compressed-tensors", "compressed-tensors-w8a8": "compressed-tensors",
            "awq": "AWQ", "fp8": "fine-grained FP8", "compressed-tensors-fp8": "compressed-tensors",
            "compressed-tensors-nvfp4": "compressed-tensors", "modelopt-nvfp4": "ModelOpt",
-           "compressed-tensors-mxfp4": "compressed-tensors"}
-ASYMMETRIC = ("llama-gptq-w4g64-asym", "llama-awq-w4g128", "llama-ct-w4a16-asym")
+           "compressed-tensors-mxfp4": "compressed-tensors", "mlx": "MLX"}
+# (mlx-lm's files are requantized asymmetric: MLX's affine grid is)
+ASYMMETRIC = ("llama-gptq-w4g64-asym", "llama-awq-w4g128", "llama-ct-w4a16-asym", "llama-mlx-w4g64", "llama-mlx-mixed36",
+              "qwen3moe-mlx-w4g64")
 # gpt-oss' fused 3-D MoE experts (gate and up rows interleaved): the quantized formats hold one Linear per
 # expert, and gpt-oss has no per-expert layout a loader reads
 REFUSED: set = {("qwen3moe-mxfp4-gptoss", t) for t in TARGETS if t not in ("float16", "bfloat16", "float32")}
@@ -48,6 +50,11 @@ def _split_oracle(oracle: dict) -> dict:
         else:
             out[key] = w
     return out
+# mlx-lm quantizes Qwen3-MoE's router (mlp.gate, 4 experts x 256): 4 output channels are no AWQ GEMM word of 8
+REFUSED.add(("qwen3moe-mlx-w4g64", "awq"))
+# mlx-lm's mixed 3-bit modules requantized asymmetric get zero points of 0, which GPTQ v1 (z - 1) cannot store
+# so that every reader agrees: convert writes them and says so, and validation refuses the result
+V1_ZERO = {("llama-mlx-mixed36", "gptq")}
 # ModelOpt NVFP4 is W4A4: only NVFP4 sources with a calibrated static activation scale can be written
 REFUSED |= {(name, "modelopt-nvfp4") for name in QUANTIZED if name not in ("llama-modelopt-nvfp4", "llama-ct-nvfp4")}
 
@@ -62,6 +69,11 @@ def test_every_checkpoint_to_every_target(tmp_path, name, target):
         assert not out.exists()
         return
     result = convert(CHECKPOINTS / name, out, Options(target))
+    if (name, target) in V1_ZERO:
+        assert result["components"][0]["v1_zero_points"]
+        with pytest.raises(ValidationFailed, match="zero points of 0"):
+            check_results([(open_target(CHECKPOINTS / name).components[0], out, result["components"][0])])
+        return
     (validated,) = check_results([(open_target(CHECKPOINTS / name).components[0], out, result["components"][0])])
     assert validated["ok"] and len(validated["layers"]) >= 14
     (report,) = inspect_path(out)["components"]

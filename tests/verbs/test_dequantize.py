@@ -35,6 +35,8 @@ def _producer_dtype(name):
         return "float32"
     if producer == "qconv-fixture":                   # gpt-oss MXFP4 made here; oracle: transformers'
         return "float32"                              # convert_moe_packed_tensors(dtype=float32), exact
+    if producer == "mlx_lm.convert":                  # the oracle: mx.dequantize, scales and biases in float32
+        return "float32"
     if producer == "llm-compressor":                  # compressed-tensors decompresses in the model dtype
         config = json.loads((CHECKPOINTS / name / "config.json").read_text())   # (bfloat16 for the MoE base)
         return config.get("dtype") or config["torch_dtype"]
@@ -120,7 +122,7 @@ def test_cli_output_equals_oracle_at_producer_dtype_and_float32_is_unrounded(tmp
 #   (logits_modelopt_fakequant), is 5.9 % away: activation quantization, not weights.
 # A decoding error is an order of magnitude larger: a zero point off by one in every group gives ~30 %.
 TOLERANCE = {"bitsandbytes": 0.03, "gptqmodel": 0.015, "auto-round": 0.015, "llm-compressor": 0.015,
-             "transformers": 0.015, "modelopt": 0.005}
+             "transformers": 0.015, "modelopt": 0.005, "mlx_lm.convert": 0.015}
 # Fixtures whose dequantized folder plain transformers loads WRONG by design, so the test below does not
 # apply: qwen3moe-mxfp4-gptoss keeps gpt-oss' fused experts with gate and up rows INTERLEAVED (even rows
 # gate, odd rows up) under a qwen3_moe config, and dequantize keeps that stored layout (no silent

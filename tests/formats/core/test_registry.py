@@ -24,7 +24,7 @@ SOURCE = {"compressed-tensors-w8a8": "llama-ct-w8a8", "awq": "llama-awq-w4g128",
 DEFAULT_SOURCE = "llama-ct-w4a16"
 MODULE = "model.layers.1.mlp.down_proj"
 _TORCH = {"I32": torch.int32, "I64": torch.int64, "I8": torch.int8, "U8": torch.uint8, "F16": torch.float16,
-          "BF16": torch.bfloat16, "F32": torch.float32}
+          "BF16": torch.bfloat16, "F32": torch.float32, "U32": torch.uint32}
 
 
 def _tensors(name):
