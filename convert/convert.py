@@ -209,8 +209,9 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
     its own fit (Target.fit) fits the module itself."""
     tgt = registered_target(opts.to)
     where = comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else None
-    if tgt.fit is not None:
-        spec, reason = tgt.fit(m, src, opts, lambda caps=None: _negotiate(m, src, opts, where, caps))
+    fitted = tgt.fit(m, src, opts, lambda caps=None: _negotiate(m, src, opts, where, caps)) if tgt.fit else None
+    if fitted is not None:                      # the target's own fit (None: the caps negotiation below)
+        spec, reason = fitted
         _check_leaves(tgt, spec, m, m.in_features, opts, where)
         return spec, reason
     inp = m.in_features

@@ -88,8 +88,9 @@ def without_quantization(config: Mapping) -> dict:
 
 def quant_config(comp: Component, warnings: list[str]) -> tuple[dict | None, str | None]:
     qc = (comp.config or {}).get("quantization_config")
-    if not qc and isinstance((comp.config or {}).get("quantization"), dict):
-        qc = comp.config["quantization"]         # mlx-lm's own key (older mlx-lm writes only this one)
+    own = (comp.config or {}).get("quantization")
+    if not qc and isinstance(own, dict) and any(d.bare is not None and d.bare(own) for d in dialects()):
+        qc = own                                 # mlx-lm's own key (older mlx-lm writes only this one)
     if qc:
         for name, side in comp.side_configs.items():
             for key in ("bits", "group_size", "sym", "desc_act"):

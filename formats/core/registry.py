@@ -277,7 +277,8 @@ class Target:
     zero_encoding: str | None = None  # what its qzeros hold: "v1" (z - 1), "v2" (z), None (its codec's own)
     packing: Callable | None = None  # ({module: (QuantSpec, (out, in))}) -> name of the target that writes them
     internal: bool = False           # written only when another target's packing picks it; not a --to choice
-    # (module, source spec, request, negotiate) -> (QuantSpec, reason | None): the spec a module is
+    # (module, source spec, request, negotiate) -> (QuantSpec, reason | None) or None (this module: the caps
+    # negotiation, as for a target without fit): the spec a module is
     # written with and why its codes cannot be kept, for a target whose settings are not bits / groups /
     # zero points (code books, its own options such as --blocksize or --quant-storage); request: as
     # ModuleContext.request; negotiate(caps=None) -> (bits, group, sym, reason) is convert's negotiation
@@ -495,7 +496,7 @@ def _register_targets() -> None:
     # them exactly (plan), groups of 32 / 64 / 128, mlx-lm's config keys (model_config); mlx/.
     register_target(Target("mlx", "mlx", Caps(frozenset(mlx.BITS) - {1}, per_row=False, tiles_rows=True, fallback_bits=8,
                                               divisor_scale="F16", group_sizes=frozenset(mlx.GROUPS)),
-                           mlx.writer_leaves, mlx.writer_config, "mlx.codec", plan=_lazy("mlx.codec", "plan"),
+                           mlx.writer_leaves, mlx.writer_config, "mlx.codec", fit=mlx.fit, plan=_lazy("mlx.codec", "plan"),
                            retarget=_lazy("mlx.codec", "retarget"), share=mlx.share, model_config=mlx.model_config,
                            arrange=mlx.arrange))
 

@@ -25,6 +25,7 @@ import numpy as np
 from ...errors import CorruptCheckpoint
 from ..core.ir import FloatSpec, FloatWeight, QuantSpec, QuantTensor
 from ..core.layout import QuantModule
+from ..core.minifloat import E2M1_BOOK, e8m0
 from ..storage.safetensors_header import TensorInfo
 from ..storage.tensor_io import FLOAT_CODES, encode_float, finite_scales, read_array, to_float32
 from .header import check
@@ -134,7 +135,10 @@ def _float_spec(m: QuantModule) -> FloatSpec:
 
 def source_spec(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None):
     """The module's spec, from its scales and biases (not its codes): integer codes with zero points
-    where every group has one (zero_points), else its decoded weights (a FloatSpec)."""
+    where every group has one (zero_points), else its decoded weights (a FloatSpec); None for mode mxfp4
+    (an e2m1 module: convert's rule for code books)."""
+    if m.scheme == "e2m1":
+        return None
     view = m.details.get("rows_of")
     parent, first = view if view is not None else (m, 0)
     if not integral(parent, tensors):
@@ -156,6 +160,11 @@ def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, 
     if codes.shape != (r1 - r0, m.in_features):
         raise CorruptCheckpoint(f"decoded codes {list(codes.shape)} do not match [{r1 - r0}, {m.in_features}]",
                                 file=weight.file, tensor=weight.name)
+    if m.scheme == "e2m1":                      # mode mxfp4: e8m0 exponents, no biases
+        info = tensors[m.name + ".scales"]
+        spec = QuantSpec("e2m1", 4, m.group_size, True, codebook=E2M1_BOOK, scale_dtype="U8")
+        return QuantTensor(spec, (r1 - r0, m.in_features), dtype, codes=codes,
+                           scales=e8m0(read_array(_flat(info), rows=(r0, r1))))
     s, b = _scales_biases(m, tensors, r0, r1)
     z = zero_points(s, b, m.bits) if integral(m, tensors) else None
     if z is None:
@@ -185,6 +194,8 @@ def plan(ctx) -> dict:
     """The module's scale dtype: --scale-dtype where given; else the first 16-bit dtype of the model's, the
     planned scales' (a requantization's) and the source scales' in which the scales and biases (-s * z) are
     all exactly values; else F32."""
+    if ctx.spec.scheme == "e2m1":               # mode mxfp4: e8m0 exponents
+        return {"scale_dtype": "U8"}
     forced = getattr(ctx.request, "scale_dtype", None)
     if forced:
         return {"scale_dtype": FLOAT_CODES[forced]}
@@ -208,6 +219,8 @@ def plan(ctx) -> dict:
 def retarget(qt: QuantTensor, spec: QuantSpec, settings: Mapping):
     """Codes and zero points kept; s = scales / divisor (bitsandbytes' SCB / 127) and b = -s * z stored
     in the planned dtype. Returns (qt, (exact, stored)) over scales and biases, for the report."""
+    if spec.scheme == "e2m1":                   # mode mxfp4: codes and power-of-two scales kept
+        return replace(qt, spec=spec, product_dtype=None), None
     code = settings.get("scale_dtype") or spec.scale_dtype
     if qt.scales.shape[1] == 1 and spec.group_size > 0 and qt.shape[1] > spec.group_size:
         groups = qt.shape[1] // spec.group_size     # one scale per row (bnb int8, per-channel): one per group
@@ -225,6 +238,11 @@ def encode_for(target: str, qt: QuantTensor, spec: QuantSpec, g_idx: bool) -> di
     """The module's weight, scales and biases (qt as retarget made it: scales already stored values)."""
     if qt.g_idx is not None or g_idx:
         raise ValueError("MLX stores no g_idx")
+    if qt.spec.scheme == "e2m1":                # mode mxfp4: e8m0 exponent bytes
+        mantissa, exponent = np.frexp(np.asarray(qt.scales, np.float32))
+        if qt.scales.size and not (np.all(mantissa == 0.5) and np.all((exponent >= -126) & (exponent <= 128))):
+            raise ValueError("scales that are not powers of two from 2^-127 to 2^127 (e8m0)")
+        return {"weight": ("U32", pack(qt.codes, 4)), "scales": ("U8", (exponent + 126).astype(np.uint8))}
     code = qt.spec.scale_dtype
     return {"weight": ("U32", pack(qt.codes, qt.spec.bits)),
             "scales": (code, encode_float(qt.scales, code)),

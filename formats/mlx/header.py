@@ -16,11 +16,20 @@ Per quantized Linear ``P``, mode ``affine`` (mlx ``mx.quantize``; mlx-lm 0.32, c
 scales in about half its groups, so no sign is assumed. MoE experts are stacked ``[E, out, ...]`` under
 ``switch_mlp`` (SwitchLinear).
 
+Mode ``mxfp4`` (the OCP microscaling format, as mlx 0.32.4's ``mx.quantize(..., mode="mxfp4")`` writes and
+``mx.dequantize`` reads it, checked)::
+
+    P.weight  uint32  [out, in / 8]    e2m1 codes, 8 a word, low nibble first (the bytes of
+                                       compressed-tensors' weight_packed, two codes a byte, even one low)
+    P.scales  uint8   [out, in / 32]   e8m0: 2^(b - 127)
+
+    w[o, i] = e2m1(q[o, i]) * 2^(scales[o, g] - 127),   g = i // 32
+
 config.json (mlx-lm ``save_config``): ``"quantization": {"group_size", "bits", "mode"}`` and an identical
 ``"quantization_config"`` (no ``quant_method``); a module's own settings under its path (``{"group_size",
 "bits"}``), or ``false`` for a module left in float. mlx-lm reads ``quantization`` first and infers a
-module's settings from its shapes where the config does not name it. Other modes (``mxfp4``, ``nvfp4``,
-``mxfp8``: uint8 scales, no biases) are named and refused.
+module's settings from its shapes where the config does not name it. The other modes (``nvfp4``,
+``mxfp8``) are named and refused.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ GROUPS = (32, 64, 128)               # group sizes mx.quantize takes
 SCALE_DTYPES = ("F16", "BF16", "F32")
 SETTING_KEYS = ("group_size", "bits", "mode")
 AFFINE = "affine"
+MXFP4 = "mxfp4"                      # e2m1 codes in groups of 32 under e8m0 scales (no biases)
+MXFP4_GROUP = 32
 DEFAULT_GROUP = 64                   # mode affine's group size where a config gives none (mlx nn.QuantizedLinear)
 # config keys of quantize_config.json / quantization_config dialects that are never MLX module paths
 _FOREIGN_KEYS = ("quant_method", "desc_act", "sym", "zero_point", "w_bit", "q_group_size", "version",
@@ -94,8 +105,11 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
             problems.append("the config leaves this module in float (false), but it is stored packed")
             cfg = module_settings(qc, "")
         bits, group, mode = cfg["bits"], cfg["group_size"], cfg["mode"]
-        if mode != AFFINE:
-            unsupported.append(f"MLX mode {mode!r}: qconv reads mode affine only")
+        fp4 = mode == MXFP4
+        if mode not in (AFFINE, MXFP4):
+            unsupported.append(f"MLX mode {mode!r}: qconv reads modes affine and mxfp4")
+        elif fp4 and (bits, group) != (4, MXFP4_GROUP):
+            problems.append(f"mode mxfp4 with bits {bits!r} and group_size {group!r}: mxfp4 is 4-bit in groups of 32")
         if not _int(bits) or bits not in BITS:
             unsupported.append(f"bits {bits!r}: MLX affine packs {', '.join(map(str, BITS))}-bit codes")
             bits = 4
@@ -114,9 +128,11 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
         inp = words * 32 // bits if (words * 32) % bits == 0 else 0
         if (words * 32) % bits:
             problems.append(f"{words} words per row do not hold a whole number of {bits}-bit codes")
-        if biases is None:
+        if biases is None and not fp4:
             (unsupported if mode != AFFINE else problems).append(
                 "has no biases tensor (MLX affine stores P.scales and P.biases)")
+        elif biases is not None and fp4:
+            problems.append("has a biases tensor, which mode mxfp4 does not store")
         groups = None
         if len(scales.shape) != len(shape) or list(scales.shape[:-1]) != shape[:-1]:
             problems.append(f"scales has shape {list(scales.shape)}, which does not fit weight {shape}")
@@ -124,17 +140,20 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
             groups = scales.shape[-1]
             if inp and group and (inp % group or inp // group != groups):
                 problems.append(f"{groups} scale groups for {inp} inputs, but the config's group_size is {group}")
-        if scales.dtype not in SCALE_DTYPES:
+        if fp4 and scales.dtype not in ("U8", "F8_E8M0"):
+            problems.append(f"scales is {scales.dtype}; mode mxfp4 stores e8m0 exponents (uint8)")
+        elif not fp4 and scales.dtype not in SCALE_DTYPES:
             (unsupported if mode != AFFINE else problems).append(
                 f"scales is {scales.dtype}; MLX affine stores {'/'.join(SCALE_DTYPES)} scales")
-        if biases is not None and (biases.shape != scales.shape or biases.dtype != scales.dtype):
+        if biases is not None and not fp4 and (biases.shape != scales.shape or biases.dtype != scales.dtype):
             problems.append(f"biases {biases.dtype} {list(biases.shape)} do not match scales "
                             f"{scales.dtype} {list(scales.shape)}")
-        if _int(group) and group not in GROUPS and not problems:
+        if _int(group) and group not in GROUPS and not problems and not fp4:
             unsupported.append(f"group_size {group}: MLX affine takes groups of 32, 64 or 128")
         state = tuple(t for t in (prefix + ".scales", prefix + ".biases") if t in tensors)
         details = {"mode": mode, "groups": groups, "scales_dtype": scales.dtype, "unsupported": tuple(unsupported)}
-        m = QuantModule(prefix, "mlx", int_scheme(bits), bits, out * max(experts, 1), inp, (weight.name,),
+        m = QuantModule(prefix, "mlx", "e2m1" if fp4 else int_scheme(bits), bits, out * max(experts, 1), inp,
+                        (weight.name,),
                         state, group_size=group, details=details, problems=tuple(unsupported + problems),
                         experts=experts)
         modules.extend(expert_views(m, out) if experts else [m])
@@ -209,6 +228,11 @@ def writer_leaves(spec, shape: tuple[int, int], g_idx: bool, scale_dtype: str | 
     """What codec.encode stores (stdlib, predicted before any data): scale_dtype is the module's plan
     (codec.plan: the model's 16-bit dtype where it holds scales and biases exactly, else F32)."""
     out, inp = shape
+    if spec.scheme == "e2m1":                # mode mxfp4: codes and e8m0 exponents, no biases
+        if spec.group_size != MXFP4_GROUP or spec.global_scale is not None or inp % MXFP4_GROUP or g_idx:
+            raise ValueError(f"MLX mxfp4 stores e2m1 in groups of 32 under one power-of-two scale each, not "
+                             f"groups of {spec.group_size} over {inp} inputs")
+        return {"weight": ("U32", (out, inp // 8)), "scales": ("U8", (out, inp // MXFP4_GROUP))}
     if spec.scheme != "int" or spec.bits not in BITS:
         raise ValueError(f"MLX affine stores {', '.join(map(str, BITS))}-bit integer codes, not {spec.name}")
     if spec.group_size not in GROUPS or inp % spec.group_size:
@@ -224,18 +248,35 @@ def writer_leaves(spec, shape: tuple[int, int], g_idx: bool, scale_dtype: str | 
 def writer_config(ctx) -> dict:
     """mlx-lm's quantization dict: the most common (bits, group_size) as the defaults, mode affine, and
     each module that differs under its own path (a stacked expert's: its switch_mlp module's)."""
-    specs = {(stacked_name(n) or (n, 0))[0]: spec for n, spec in ctx.specs.items()}
-    if not specs:
+    settings = {(stacked_name(n) or (n, 0))[0]: (spec.bits, spec.group_size, MXFP4 if spec.scheme == "e2m1" else AFFINE)
+                for n, spec in ctx.specs.items()}
+    if not settings:
         raise ValueError("no quantized module")
     counts: dict = {}
-    for spec in specs.values():
-        counts[(spec.bits, spec.group_size)] = counts.get((spec.bits, spec.group_size), 0) + 1
-    bits, group = max(sorted(counts), key=lambda k: counts[k])
-    cfg = {"group_size": group, "bits": bits, "mode": AFFINE}
-    for name, spec in specs.items():
-        if (spec.bits, spec.group_size) != (bits, group):
-            cfg[name] = {"group_size": spec.group_size, "bits": spec.bits, "mode": AFFINE}
+    for key in settings.values():
+        counts[key] = counts.get(key, 0) + 1
+    default = max(sorted(counts), key=lambda k: counts[k])
+    cfg = {"group_size": default[1], "bits": default[0], "mode": default[2]}
+    for name, key in settings.items():
+        if key != default:
+            cfg[name] = {"group_size": key[1], "bits": key[0], "mode": key[2]}
     return cfg
+
+
+def fit(m, src, request, negotiate):
+    """MXFP4 sources (e2m1 in groups of 32 under power-of-two scales alone: compressed-tensors', gpt-oss',
+    GGUF's) keep their codes and scales in mode mxfp4, unless --bits or --group-size asks for affine codes;
+    every other module: None, the caps negotiation (integer codes kept, or requantized)."""
+    from ..core.minifloat import E2M1_BOOK
+
+    if getattr(request, "bits", None) or getattr(request, "group_size", None) is not None:
+        return None
+    if src.scheme == "e2m1" and src.group_size == MXFP4_GROUP and getattr(src, "global_scale", None) is None \
+            and src.scale_dtype in ("U8", "F8_E8M0"):
+        from ..core.ir import QuantSpec
+
+        return QuantSpec("e2m1", 4, MXFP4_GROUP, True, codebook=E2M1_BOOK, scale_dtype="U8"), None
+    return None
 
 
 def model_config(config: dict) -> dict:

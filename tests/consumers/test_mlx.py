@@ -34,8 +34,9 @@ pytestmark = [pytest.mark.mlx, pytest.mark.consumer(MLX_PYTHON, "mlx-lm (.venv-m
 IDS = [1, 5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37]
 TOLERANCE = 1e-4
 
-# (case, source: a fixture, or "gguf:<fixture>:<gguf-py type>" for a GGUF whose blocks gguf-py's quantizer
-# wrote from qconv's float GGUF of the fixture, extra convert arguments, whether every code is kept)
+# (case, source: a fixture, "gguf:<fixture>:<gguf-py type>" for a GGUF whose blocks gguf-py's quantizer
+# wrote from qconv's float GGUF of the fixture, or "qconv-gguf:<fixture>" for qconv's GGUF of it, extra
+# convert arguments, whether every code is kept)
 CASES = [
     ("gptq-w4g64-asym", "llama-gptq-w4g64-asym", (), True),
     ("gptq-w8g128", "llama-gptq-w8g128", (), True),
@@ -52,6 +53,8 @@ CASES = [
     ("gguf-q8_0", "gguf:llama-fp16:Q8_0", (), True),
     ("gguf-q4_0", "gguf:llama-fp16:Q4_0", (), True),
     ("gguf-q5_0", "gguf:llama-fp16:Q5_0", (), True),
+    ("ct-mxfp4-mode-mxfp4", "llama-ct-mxfp4", (), True),
+    ("gguf-mxfp4-mode-mxfp4", "qconv-gguf:llama-ct-mxfp4", (), True),
     ("gptq-actorder-requantized", "llama-gptq-w4g128-actorder", (), False),
     ("fp16-data-free", "llama-fp16", (), False),
     ("fp16-data-free-asym-3bit-g32", "llama-fp16", ("--bits", "3", "--group-size", "32", "--asym"), False),
@@ -61,7 +64,13 @@ CASES = [
 
 
 def source(src, tmp):
-    """The fixture, or a GGUF made from it: qconv's float GGUF, its block weights quantized by gguf-py."""
+    """The fixture, or a GGUF made from it: qconv's float GGUF, its block weights quantized by gguf-py
+    ("gguf:"), or qconv's GGUF of it, its codes kept ("qconv-gguf:")."""
+    if src.startswith("qconv-gguf:"):
+        path = tmp / f"{src[11:]}.gguf"
+        if not path.exists():
+            run_qconv("convert", CHECKPOINTS / src[11:], path, "--to", "gguf", check=0)
+        return path
     if not src.startswith("gguf:"):
         return CHECKPOINTS / src
     _, fixture, kind = src.split(":")

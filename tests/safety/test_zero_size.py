@@ -16,7 +16,7 @@ Q = "model.layers.0.mlp.zero_proj"
 LIKE = "model.layers.0.self_attn.q_proj"       # whose other tensors (ModelOpt's per-tensor scales) it copies
 TARGETS = ["gptq", "gptq-v2", "auto-round", "awq", "bnb8", "bnb4-nf4", "bnb4-fp4", "compressed-tensors",
            "compressed-tensors-w8a8", "fp8", "compressed-tensors-fp8", "compressed-tensors-fp8 --block-size 128x128",
-           "compressed-tensors-nvfp4", "compressed-tensors-mxfp4", "float16", "bfloat16", "float32"]
+           "compressed-tensors-nvfp4", "compressed-tensors-mxfp4", "mlx", "float16", "bfloat16", "float32"]
 
 
 def _zero_size_source(factory, fixture: str, tensors_of) -> Path:

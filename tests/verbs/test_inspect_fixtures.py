@@ -43,6 +43,8 @@ def _expected_scheme(name, module):
         return {"mxfp4": "e2m1"}[s["quantization_config"]["quant_method"]]
     if prov["producer"] == "modelopt":               # mtq.quantize with one of ModelOpt's preset configs
         return {"FP8_DEFAULT_CFG": "e4m3", "NVFP4_DEFAULT_CFG": "e2m1"}[s["config"]]
+    if prov["producer"] == "mlx_lm.convert" and s.get("mode") == "mxfp4":   # MLX's e2m1 mode
+        return "e2m1"
     if prov["producer"] == "llm-compressor":         # a preset, or config groups with re: / class targets
         if "scheme" in s:                            # JSON-quoted by make_reference.py, bare by make_reference_fp.py
             scheme = json.loads(s["scheme"]) if s["scheme"].startswith('"') else s["scheme"]

@@ -41,6 +41,8 @@ CASES = [
     ("llama-ct-nvfp4a16", ["dequantize", "--dtype", "bfloat16"]),
     # a float source quantized data-free, with the fused-group global scale of NVFP4 (Target.share)
     ("llama-fp16", ["convert", "--to", "compressed-tensors-nvfp4"]),
+    # MLX: a scale dtype planned per module, experts stacked into switch_mlp tensors across shards
+    ("qwen3moe-fp8-block", ["convert", "--to", "mlx"]),
 ]
 
 

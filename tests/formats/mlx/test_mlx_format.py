@@ -18,7 +18,7 @@ from qconv.formats.storage.checkpoint import open_target
 
 from conftest import CHECKPOINTS, inspect_json, one_error, run_qconv
 
-MLX_FIXTURES = ("llama-mlx-w4g64", "llama-mlx-mixed36", "qwen3moe-mlx-w4g64")
+MLX_FIXTURES = ("llama-mlx-w4g64", "llama-mlx-mixed36", "qwen3moe-mlx-w4g64", "llama-mlx-mxfp4")
 
 
 def reference_pack(codes, bits):
@@ -72,13 +72,17 @@ def decoded(path, dtype="float32"):
 @pytest.mark.parametrize("name", MLX_FIXTURES)
 def test_mlx_lm_checkpoints_read_as_mx_dequantize_decodes_them(name):
     """Every module of mlx-lm's own files, bit for bit its oracle (mx.dequantize, float32 scales and
-    biases); mx.quantize's min / max biases are no integer zero points, so each is its decoded weights."""
+    biases); mx.quantize's min / max biases are no integer zero points, so each is its decoded weights;
+    mode mxfp4's e2m1 codes and e8m0 scales are codes."""
     oracle = load_file(CHECKPOINTS / name / "oracle" / "dequant.safetensors")
     weights, read = decoded(CHECKPOINTS / name)
     assert sorted(oracle) == sorted(n + ".weight" for n in weights)
     for module, w in weights.items():
         assert np.array_equal(w.view(np.uint32), oracle[module + ".weight"].view(np.uint32)), module
-    assert all(isinstance(t, FloatWeight) for t in read.values())
+    if name.endswith("mxfp4"):
+        assert all(isinstance(t, QuantTensor) and t.spec.scheme == "e2m1" for t in read.values())
+    else:
+        assert all(isinstance(t, FloatWeight) for t in read.values())
 
 
 def test_inspect_reads_mixed_bits_and_stacked_experts():
@@ -209,11 +213,11 @@ def test_act_order_and_odd_groups_are_requantized_with_the_reason(tmp_path):
 
 
 def test_unread_modes_and_bad_streams_are_refused(tmp_path):
-    """Another mode (mxfp4), a width mx.quantize does not pack (7), and words that do not fit the config."""
+    """Another mode (nvfp4), a width mx.quantize does not pack (7), and words that do not fit the config."""
     import shutil
 
     for name, edit, code, words in [
-            ("mode", lambda c: c["quantization"].update(mode="mxfp4"), 5, "mode 'mxfp4'"),
+            ("mode", lambda c: c["quantization"].update(mode="nvfp4"), 5, "mode 'nvfp4'"),
             ("bits", lambda c: c["quantization"].update(bits=7), 5, "bits 7"),
             ("group", lambda c: c["quantization"].update(group_size=32), 4, "group_size is 32")]:
         folder = tmp_path / name
@@ -253,3 +257,80 @@ def test_a_forced_scale_dtype_reports_what_it_rounds(tmp_path):
                      "bfloat16", "--validate")
     one_error(proc, 1, "validation failed, nothing written")
     assert not (tmp_path / "v").exists()
+
+
+def test_mxfp4_is_kept_byte_for_byte_both_ways(tmp_path):
+    """compressed-tensors MXFP4A16 -> MLX mode mxfp4: weight_packed's bytes ARE MLX's words (two codes a
+    byte, the even one low = eight a little-endian word, the first lowest) and weight_scale's e8m0 bytes its
+    scales; and back. mlx-lm's own mxfp4 file into compressed-tensors keeps its codes too."""
+    from qconv.formats.storage.safetensors_header import read_header
+    from qconv.formats.storage.tensor_io import read_array
+
+    def raw(folder):
+        header_ = read_header(folder / "model.safetensors")
+        return {n: read_array(i).tobytes() for n, i in header_.tensors.items()}
+
+    src = CHECKPOINTS / "llama-ct-mxfp4"
+    comp = convert_json(src, tmp_path / "mlx", "--to", "mlx", "--validate")
+    assert comp["codes_kept"] == 14 and comp["validation"]["ok"]
+    config = json.loads((tmp_path / "mlx" / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    a, b = raw(src), raw(tmp_path / "mlx")
+    for name in modules_of(src)[2]:
+        assert a[name + ".weight_packed"] == b[name + ".weight"] and a[name + ".weight_scale"] == b[name + ".scales"]
+    back = convert_json(tmp_path / "mlx", tmp_path / "ct", "--to", "compressed-tensors-mxfp4")
+    assert back["codes_kept"] == 14
+    c = raw(tmp_path / "ct")
+    assert all(c[k] == v for k, v in a.items() if k.endswith((".weight_packed", ".weight_scale")))
+    theirs = convert_json(CHECKPOINTS / "llama-mlx-mxfp4", tmp_path / "ct2", "--to", "compressed-tensors-mxfp4",
+                          "--validate")
+    assert theirs["requantized"] == 0 and theirs["validation"]["ok"]
+
+
+def _edited(tmp_path, fixture, edit):
+    """A copy of an MLX fixture with its tensors edited (edit(tensors) -> tensors), as torch tensors."""
+    import shutil
+
+    import torch  # noqa: F401  (the tensors edit() gets)
+    from safetensors.torch import load_file as load_torch, save_file
+
+    folder = tmp_path / "src"
+    shutil.copytree(CHECKPOINTS / fixture, folder)
+    tensors = edit(load_torch(folder / "model.safetensors"))
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "mlx"})
+    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+    return folder
+
+
+M = "model.layers.0.mlp.down_proj"
+
+
+@pytest.mark.parametrize("fixture, edit, code, words", [
+    ("llama-mlx-w4g64", lambda t: {**t, M + ".scales": t[M + ".scales"].clone().fill_(float("nan"))}, 4, "non-finite"),
+    ("llama-mlx-w4g64", lambda t: {**t, M + ".biases": t[M + ".biases"][:, :2].clone()}, 4, "do not match scales"),
+    ("llama-mlx-w4g64", lambda t: {k: v for k, v in t.items() if k != M + ".biases"}, 4, "no biases tensor"),
+    ("llama-mlx-w4g64", lambda t: {**t, M + ".weight": t[M + ".weight"][:, :40].clone()}, 4, "scale groups"),
+    ("llama-mlx-mxfp4", lambda t: {**t, M + ".scales": t[M + ".scales"].clone().fill_(255)}, 4, "not finite"),
+], ids=["nan-scales", "biases-shape", "no-biases", "short-words", "e8m0-255"])
+def test_hostile_mlx_files_get_one_line_naming_the_tensor(tmp_path, fixture, edit, code, words):
+    """Every verb that reads data refuses, naming the file and the module, and writes nothing."""
+    src = _edited(tmp_path, fixture, edit)
+    for verb in (["dequantize"], ["convert", "--to", "gptq"], ["convert", "--to", "mlx"]):
+        out = tmp_path / f"out-{verb[-1]}"
+        line = one_error(run_qconv(verb[0], src, out, *verb[1:]), code, words, "model.safetensors")
+        assert M in line
+        assert not out.exists()
+
+
+def test_inputs_no_mlx_group_divides_are_refused(tmp_path):
+    """A Linear of 48 inputs (no group of 32, 64 or 128 divides it): one line, exit 5, nothing written;
+    the other targets' rules are their own."""
+    import torch
+
+    def add_odd(t):
+        return {**t, "model.layers.0.mlp.odd_proj.weight": torch.randn(64, 48, dtype=torch.float16)}
+
+    src = _edited(tmp_path, "llama-fp16", add_odd)
+    proc = run_qconv("convert", src, tmp_path / "out", "--to", "mlx")
+    one_error(proc, 5, "model.layers.0.mlp.odd_proj", "groups of 32, 64 or 128", "48")
+    assert not (tmp_path / "out").exists()
