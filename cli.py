@@ -158,6 +158,10 @@ def _convert_table(result: dict) -> str:
             v = c["validation"]
             lines.append(f"validated {c['component']}: {v['layers']} layers match the source ({v['device']})")
     for c in result["components"]:
+        if len(c.get("scale_dtypes") or {}) > 1:       # a target that picks the dtype per module (MLX: exact)
+            stored = ", ".join(f"{code} ({n} modules)" for code, n in c["scale_dtypes"].items())
+            lines.append(f"  {c['component']}: scales stored as {stored}")
+    for c in result["components"]:
         split = c.get("experts_split")
         if split:
             lines.append(f"  {c['component']}: {split['fused_tensors']} fused expert tensors "

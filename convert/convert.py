@@ -81,6 +81,7 @@ class Stats:
     max_scale_rel_error: float = 0.0
     layers: list[dict] = field(default_factory=list)       # requantized modules and their error
     v1_zero: list[str] = field(default_factory=list)        # modules with a zero point of 0 written as v1
+    scale_dtype: str | None = None   # the dtype its scales were stored in (a target may pick it per module: MLX)
 
     def requantized(self, module: str, reason: str, source: str, target: str, err) -> None:
         self.layers.append({"module": module, "reason": reason, "from": source, "to": target,
@@ -119,7 +120,8 @@ class Tally:
                 "max_scale_rel_error": max((st.max_scale_rel_error for st in self.of.values()), default=0.0),
                 "max_rel_frobenius": max((r["rel_frobenius"] for r in layers), default=0.0),
                 "sq_error_vs_rtn": round(sq / rtn, 4) if rtn else None, "layers": layers,
-                "v1_zero_points": sorted((n for st in self.of.values() for n in st.v1_zero), key=natural_key)}
+                "v1_zero_points": sorted((n for st in self.of.values() for n in st.v1_zero), key=natural_key),
+                "scale_dtypes": dict(sorted(Counter(st.scale_dtype for st in self.of.values() if st.scale_dtype).items()))}
 
 
 _ROUTERS = ("gate", "router", "shared_expert_gate")
@@ -458,6 +460,7 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
         if lossy:
             st.requantized(m.name, lossy, source.spec.name, spec.name, err)
         st.modules += 1
+        st.scale_dtype = qt.spec.scale_dtype
         if spec.zero_encoding == "v1" and qt.zeros is not None and bool((qt.zeros == 0).any()):
             st.v1_zero.append(m.name)
         if qt.g_idx is not None and not with_g_idx:

@@ -136,6 +136,7 @@ def test_float16_scales_where_they_are_exact(tmp_path):
     sym = convert_json(CHECKPOINTS / "llama-ct-w4a16", tmp_path / "a", "--to", "mlx")
     asym = convert_json(CHECKPOINTS / "llama-gptq-w4g64-asym", tmp_path / "b", "--to", "mlx")
     assert sym["codes_kept"] == asym["codes_kept"] == 14
+    assert sym["scale_dtypes"] == {"F16": 14} and asym["scale_dtypes"] == {"F32": 14}     # the choice, reported
     assert header(tmp_path / "a")["model.layers.0.mlp.up_proj.scales"][0] == "F16"
     assert header(tmp_path / "b")["model.layers.0.mlp.up_proj.biases"][0] == "F32"
 
