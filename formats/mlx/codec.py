@@ -27,7 +27,7 @@ from ..core.ir import FloatSpec, FloatWeight, QuantSpec, QuantTensor
 from ..core.layout import QuantModule
 from ..core.minifloat import E2M1_BOOK, e8m0
 from ..storage.safetensors_header import TensorInfo
-from ..storage.tensor_io import FLOAT_CODES, encode_float, finite_scales, read_array, to_float32
+from ..storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, all_finite, encode_float, finite_scales, read_array, to_float32
 from .header import check
 
 # ---------------------------------------------------------------------------------------------
@@ -193,12 +193,17 @@ def _stored(values: np.ndarray, code: str) -> np.ndarray:
 def plan(ctx) -> dict:
     """The module's scale dtype: --scale-dtype where given; else the first 16-bit dtype of the model's, the
     planned scales' (a requantization's) and the source scales' in which the scales and biases (-s * z) are
-    all exactly values; else F32."""
+    all exactly values; else F32. A requantized module is decided without running the requantizer: its
+    scales are in the planned 16-bit dtype, and -s * 2^(b-1) is exact there for symmetric codes (encode_for
+    refuses the overflow that would not be), any other zero point rarely: F32."""
     if ctx.spec.scheme == "e2m1":               # mode mxfp4: e8m0 exponents
         return {"scale_dtype": "U8"}
     forced = getattr(ctx.request, "scale_dtype", None)
     if forced:
         return {"scale_dtype": FLOAT_CODES[forced]}
+    if ctx.reason:                              # requantized: known from the plan alone
+        symmetric16 = ctx.spec.symmetric and ctx.spec.scale_dtype in ("F16", "BF16")
+        return {"scale_dtype": ctx.spec.scale_dtype if symmetric16 else "F32"}
     exact = ctx.encode({"scale_dtype": "F32"})
     s, b = exact["scales"][1], exact["biases"][1]
     if getattr(ctx.source_spec, "scale_divisor", 1) != 1:
@@ -244,6 +249,8 @@ def encode_for(target: str, qt: QuantTensor, spec: QuantSpec, g_idx: bool) -> di
             raise ValueError("scales that are not powers of two from 2^-127 to 2^127 (e8m0)")
         return {"weight": ("U32", pack(qt.codes, 4)), "scales": ("U8", (exponent + 126).astype(np.uint8))}
     code = qt.spec.scale_dtype
-    return {"weight": ("U32", pack(qt.codes, qt.spec.bits)),
-            "scales": (code, encode_float(qt.scales, code)),
-            "biases": (code, encode_float(_biases(qt.scales, qt.zeros, qt.spec.bits).astype(np.float32), code))}
+    biases = encode_float(_biases(qt.scales, qt.zeros, qt.spec.bits).astype(np.float32), code)
+    if not all_finite(biases, code):
+        raise ValueError(f"biases -s * z beyond {FLOAT_NAMES[code]}'s range")
+    return {"weight": ("U32", pack(qt.codes, qt.spec.bits)), "scales": (code, encode_float(qt.scales, code)),
+            "biases": (code, biases)}

@@ -5,6 +5,7 @@ float32 weights equal to the source's, and what cannot be kept requantized with 
 mlx-lm itself loading and running the outputs: tests/consumers/test_mlx.py."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -335,3 +336,17 @@ def test_inputs_no_mlx_group_divides_are_refused(tmp_path):
     proc = run_qconv("convert", src, tmp_path / "out", "--to", "mlx")
     one_error(proc, 5, "model.layers.0.mlp.odd_proj", "groups of 32, 64 or 128", "48")
     assert not (tmp_path / "out").exists()
+
+
+def test_biases_beyond_the_scale_dtype_are_refused_not_written_as_infinity():
+    """s = 1000 in float16 with z = 128: b = -128000 is beyond float16's range; the encoder refuses (convert
+    then names the module, exit 5) rather than store infinity."""
+    from qconv.formats.core.ir import QuantSpec
+
+    spec = QuantSpec("int", 8, 32, True, scale_dtype="F16")
+    qt = QuantTensor(spec, (2, 64), "float16", codes=np.full((2, 64), 130, np.uint8),
+                     scales=np.full((2, 2), 1000, np.float32), zeros=np.full((2, 2), 128, np.uint8))
+    with pytest.raises(ValueError, match="beyond float16's range"):
+        codec.encode_for("mlx", qt, spec, False)
+    ok = codec.encode_for("mlx", replace(qt, scales=np.full((2, 2), 0.5, np.float32)), spec, False)
+    assert ok["biases"][0] == "F16" and np.all(ok["biases"][1] == np.float16(-64))
