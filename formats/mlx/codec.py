@@ -58,8 +58,9 @@ def pack(codes: np.ndarray, bits: int) -> np.ndarray:
         raw = codes
     elif bits in (1, 2, 4):
         per = 8 // bits
-        shifts = np.arange(per, dtype=np.uint8) * np.uint8(bits)
-        raw = np.bitwise_or.reduce(codes.reshape(rows, n // per, per) << shifts, axis=2).astype(np.uint8)
+        raw = codes[:, 0::per].copy()
+        for k in range(1, per):                 # code k of each byte at bit k * bits
+            raw |= codes[:, k::per] << np.uint8(k * bits)
     else:
         stream = np.unpackbits(codes[:, :, None], axis=2, count=bits, bitorder="little").reshape(rows, n * bits)
         raw = np.packbits(stream, axis=1, bitorder="little")
