@@ -178,6 +178,15 @@ def _llamacpp_env(llamacpp: Path) -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [llamacpp / "gguf-py", llamacpp, SENTENCEPIECE]))}
 
 
+def clear(*paths):
+    """A before-run hook for _best: the output folders emptied."""
+    def f():
+        for p in paths:
+            shutil.rmtree(p, ignore_errors=True)
+            p.mkdir()
+    return f
+
+
 def _size(path: Path) -> int:
     return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.glob("*.safetensors"))
 
@@ -197,13 +206,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         tmp = Path(tmp)
         out, raw_out = tmp / "out", tmp / "raw"
-
-        def clear(*paths):
-            def f():
-                for p in paths:
-                    shutil.rmtree(p, ignore_errors=True)
-                    p.mkdir()
-            return f
 
         for key, src in sources.items():
             kept = tmp / f"{key}.gguf"

@@ -32,7 +32,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gguf import CACHE, RAW, _best, _size, _sources  # noqa: E402  (the same model, sources and timing)
+from bench_gguf import CACHE, RAW, _best, _size, _sources, clear  # noqa: E402  (the same model, sources, timing)
 
 MLX_PYTHON = Path(__file__).resolve().parent.parent / ".venv-mlx" / "bin" / "python"
 
@@ -76,13 +76,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         tmp = Path(tmp)
         out, raw_out = tmp / "out", tmp / "raw"
-
-        def clear(*paths):
-            def f():
-                for p in paths:
-                    shutil.rmtree(p, ignore_errors=True)
-                    p.mkdir()
-            return f
 
         for key, src in sources.items():
             kept = tmp / f"{key}-mlx"
