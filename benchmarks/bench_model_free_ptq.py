@@ -32,6 +32,12 @@ per machine (the llm-compressor environment lives in the machine cache, outside 
 
     .venv/bin/python benchmarks/bench_model_free_ptq.py [SRC] [--work DIR] [--jobs fp8,w8a8,fp8-block]
                                                        [--dense 1] [--moe 1] [--experts 1]
+                                                       [--qconv-jobs 1,2] [--max-shard-size 200MB]
+
+--qconv-jobs adds a row per value: qconv with --jobs N, its output in shards of --max-shard-size written
+by N worker processes (peak RSS: the largest process). The comparison counts the modules whose error
+against the float source is at or below the peer's (model_free_ptq quantizes by min-max: its error is
+round-to-nearest's).
 
 --work keeps the outputs there (default: a temporary folder under benchmarks/.cache, removed). Sync
 before each run, the source in the page cache (read once before the first run). Prints figures only.
@@ -234,7 +240,7 @@ def compare(src: Path, mine: Path, peer: Path) -> None:
           f"{equal} byte-identical" + (f"; only qconv: {only_q}" if only_q else "")
           + (f"; only model_free_ptq: {only_p}" if only_p else ""))
     block_q, block_p = _block(qc_q), _block(qc_p)
-    table, worst = [], (0.0, "")
+    table, worst, at_or_below = [], (0.0, ""), 0
     codes_total = codes_differ = scales_total = scales_differ = same_total = 0
     dtypes = set()
     for module, leaves in modules.items():
@@ -253,6 +259,7 @@ def compare(src: Path, mine: Path, peer: Path) -> None:
                                          block_q, block_p)
         same_total += same_value
         worst = max(worst, (rel, module))
+        at_or_below += err_q <= err_p
         table.append((module, f"{leaves.get('weight', 0):,} / {wq.numel:,}", f"{same_value:,}",
                       f"{leaves.get('weight_scale', 0):,} / {sq.numel:,}", f"{rel:.3g}", f"{err_q:.5f}", f"{err_p:.5f}"))
     print(f"  quantized modules: {len(modules)}, byte-identical: {len(modules) - len(table)}; codes differing: "
@@ -260,7 +267,8 @@ def compare(src: Path, mine: Path, peer: Path) -> None:
           f"scale values differing: {scales_differ:,} of {scales_total:,}"
           + (f"; scale dtypes {', '.join(sorted(dtypes))} (qconv vs model_free_ptq)" if dtypes else ""))
     if table:
-        print(f"  largest |qconv - peer| / max |W| (dequantized): {worst[0]:.3g} ({worst[1]})")
+        print(f"  largest |qconv - peer| / max |W| (dequantized): {worst[0]:.3g} ({worst[1]}); modules whose error "
+              f"against the float source is at or below the peer's: {at_or_below} of {len(table)}")
         print(tabulate(table, headers=["module", "codes differing", "same value", "scales differing", "max |dW|/max|W|",
                                        "rel. err qconv", "rel. err peer"], disable_numparse=True))
     for row in rows:
@@ -287,6 +295,9 @@ def main() -> None:
     ap.add_argument("--dense", type=int, default=1)
     ap.add_argument("--moe", type=int, default=1)
     ap.add_argument("--experts", type=int, default=1)
+    ap.add_argument("--qconv-jobs", default="1", help="comma-separated qconv --jobs values, one row each (>1: "
+                                                      "output shards of --max-shard-size written by worker processes)")
+    ap.add_argument("--max-shard-size", default="200MB", help="qconv's output shards where --jobs > 1")
     args = ap.parse_args()
     jobs = [j.strip() for j in args.jobs.split(",") if j.strip()]
     for j in jobs:
@@ -311,6 +322,12 @@ def main() -> None:
         for job in jobs:
             label, options, scheme = JOBS[job]
             mine, peer = work / f"qconv-{job}", work / f"model_free_ptq-{job}"
+            parallel = {}
+            for n in [int(v) for v in args.qconv_jobs.split(",") if int(v) > 1]:
+                out_n = work / f"qconv-{job}-jobs{n}"
+                parallel[n] = _run([qconv, "convert", src, out_n, *options, "--jobs", n,
+                                    "--max-shard-size", args.max_shard_size], out_n)
+                shutil.rmtree(out_n)
             q = _run([qconv, "convert", src, mine, *options], mine)
             p = None
             if have_peer:
@@ -320,18 +337,20 @@ def main() -> None:
             raw_out.mkdir()
             raw = bench_fp8_scale._run([sys.executable, "-c", RAW, str(src), str(mine), str(raw_out)])
             shutil.rmtree(raw_out, ignore_errors=True)
-            results[job] = (q, p, raw, _bytes(src), _bytes(mine), _bytes(peer) if p else 0)
+            results[job] = (q, p, raw, _bytes(src), _bytes(mine), _bytes(peer) if p else 0, parallel)
         from tabulate import tabulate
 
         print(f"{src.name}: {_bytes(src) / 1e9:.2f} GB of float safetensors; one run each, sync before each run, "
               f"warm read cache, {cores} CPUs; model_free_ptq: llmcompressor in {PEER_PYTHON.parent.parent}, "
               f"max_workers={cores}, device cpu, ignore {IGNORE}\n")
         table = []
-        for job, (q, p, raw, gb_in, gb_q, gb_p) in results.items():
+        for job, (q, p, raw, gb_in, gb_q, gb_p, parallel) in results.items():
             label, options, scheme = JOBS[job]
-            table.append((f"qconv convert {' '.join(options)}", f"{gb_in / 1e9:.2f} -> {gb_q / 1e9:.2f}",
-                          f"{q[0]:.1f}", f"{q[0] / raw[0]:.1f}x", f"{q[2] / q[0]:.2f}", f"{q[1] / 2**20:,.0f}",
-                          f"{q[0] / p[0]:.2f}x" if p else "", f"{q[1] / p[1]:.2f}x" if p else ""))
+            for n, run in [(1, q), *parallel.items()]:
+                table.append((f"qconv convert {' '.join(options)}" + (f" --jobs {n}" if parallel else ""),
+                              f"{gb_in / 1e9:.2f} -> {gb_q / 1e9:.2f}", f"{run[0]:.1f}", f"{run[0] / raw[0]:.1f}x",
+                              f"{run[2] / run[0]:.2f}", f"{run[1] / 2**20:,.0f}",
+                              f"{run[0] / p[0]:.2f}x" if p else "", f"{run[1] / p[1]:.2f}x" if p else ""))
             if p:
                 table.append((f"model_free_ptq scheme={scheme}", f"{gb_in / 1e9:.2f} -> {gb_p / 1e9:.2f}",
                               f"{p[0]:.1f}", f"{p[0] / raw[0]:.1f}x", f"{p[2] / p[0]:.2f}", f"{p[1] / 2**20:,.0f}",

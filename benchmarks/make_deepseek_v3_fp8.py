@@ -1,8 +1,10 @@
 """Build a DeepSeek-V3-shaped fine-grained FP8 checkpoint for the speed benchmarks: DeepSeek-V3's own
 config.json (671 B parameters, 61 layers, ``quant_method: fp8``, ``weight_block_size`` [128, 128]) and
-its real tensor names, dtypes and shapes, for the first decoder layers only (default: layers 0-2, the
-dense ones, and layer 3, the first MoE layer, with the first 16 of its 256 routed experts and its shared
-expert), so the files are a few GB. Tensor data is random: e4m3 codes uniform over every finite byte,
+its real tensor names, dtypes and shapes, for a few decoder layers only (default: layers 0-2, dense, and
+layer 3, MoE, with 16 routed experts and the shared expert), so the files are a few GB. The config says
+what the files hold, as loaders and qconv's structure check require: num_hidden_layers = dense + MoE
+layers (numbered from 0), first_k_dense_replace = the dense count, n_routed_experts = --experts (the
+router's rows; top-k and groups shrunk to fit). Tensor data is random: e4m3 codes uniform over every finite byte,
 float32 ``weight_scale_inv`` in [1e-4, 1e-3] per 128 x 128 block (partial last blocks, as
 ``kv_a_proj_with_mqa`` [576, 7168] with its [5, 56] scale), bfloat16 norms, router and biases.
 
@@ -40,9 +42,8 @@ CONFIG = {
 BLOCK = 128
 
 
-def linears(layer: int, experts: int) -> list[tuple[str, int, int]]:
+def linears(layer: int, experts: int, c: dict = CONFIG) -> list[tuple[str, int, int]]:
     """(name, out, in) of one decoder layer's FP8 Linears, as DeepSeek-V3 names and shapes them."""
-    c = CONFIG
     h, heads = c["hidden_size"], c["num_attention_heads"]
     qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
     p = f"model.layers.{layer}"
@@ -63,9 +64,8 @@ def linears(layer: int, experts: int) -> list[tuple[str, int, int]]:
     return out + mlp(f"{p}.mlp.shared_experts", inter * c["n_shared_experts"])
 
 
-def tensors(layers: list[int], experts: int, rng: np.random.Generator):
+def tensors(layers: list[int], experts: int, rng: np.random.Generator, c: dict = CONFIG):
     """(name, tensor) in the checkpoint's order, made one at a time."""
-    c = CONFIG
     h = c["hidden_size"]
     finite = np.setdiff1d(np.arange(256, dtype=np.uint8), np.array([0x7F, 0xFF], dtype=np.uint8))
     for layer in layers:
@@ -77,7 +77,7 @@ def tensors(layers: list[int], experts: int, rng: np.random.Generator):
         if layer >= c["first_k_dense_replace"]:
             yield f"{p}.mlp.gate.weight", torch.randn(c["n_routed_experts"], h, dtype=torch.bfloat16) * 0.02
             yield f"{p}.mlp.gate.e_score_correction_bias", torch.zeros(c["n_routed_experts"], dtype=torch.float32)
-        for name, out, inp in linears(layer, experts):
+        for name, out, inp in linears(layer, experts, c):
             codes = torch.from_numpy(finite[rng.integers(0, finite.size, size=(out, inp), dtype=np.int64)
                                      .astype(np.uint8, copy=False)])
             yield f"{name}.weight", codes.view(torch.float8_e4m3fn)
@@ -88,10 +88,13 @@ def tensors(layers: list[int], experts: int, rng: np.random.Generator):
 def build(out: Path, *, dense: int = 3, moe: int = 1, experts: int = 16, max_shard: int = 10**9,
           seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=False)
-    layers = list(range(dense)) + list(range(CONFIG["first_k_dense_replace"], CONFIG["first_k_dense_replace"] + moe))
+    layers = list(range(dense + moe))
+    config = dict(CONFIG, num_hidden_layers=dense + moe, first_k_dense_replace=dense)
+    if moe:
+        config.update(n_routed_experts=experts, num_experts_per_tok=min(8, experts), n_group=1, topk_group=1)
     rng = np.random.default_rng(seed)
     shards, current, size = [], {}, 0
-    for name, t in tensors(layers, experts, rng):
+    for name, t in tensors(layers, experts, rng, config):
         n = t.numel() * t.element_size()
         if current and size + n > max_shard:
             shards.append(current)
@@ -112,7 +115,6 @@ def build(out: Path, *, dense: int = 3, moe: int = 1, experts: int = 16, max_sha
             total += t.numel() * t.element_size()
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    config = dict(CONFIG, num_hidden_layers=max(layers) + 1)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 

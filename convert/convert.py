@@ -18,6 +18,7 @@ unquantized source is quantized the same way, data-free, from its float weights 
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from typing import Mapping
@@ -33,7 +34,7 @@ from ..formats.storage.checkpoint import Component
 from ..formats.core.registry import AUTO_ROUND_AWQ_TARGET, ModuleContext, WriteContext, family as registered_family, target as registered_target, targets as registered_targets
 from ..formats.core.detect import METHOD_NAMES, Detection, without_quantization
 from ..formats.bnb.codec import STORAGE_CODES, scb_from_scales as _scb_from_scales  # noqa: F401 (tests import it here)
-from ..formats.core.ir import FloatSpec, FloatWeight, QuantSpec, QuantTensor
+from ..formats.core.ir import FloatSpec, FloatWeight, QuantSpec, QuantTensor, stack_rows
 from ..formats.core.minifloat import BOOKS
 from ..formats.core.layout import QuantModule, examples, natural_key
 from ..formats.core.experts import is_fused_name, split_module, why_not_split
@@ -42,8 +43,8 @@ from ..formats.storage.safetensors_header import DTYPES, FLOAT_DTYPES
 from ..formats.storage.tensor_io import FLOAT_NAMES, encode_float, finite_scales, read_array, to_float32
 from .dequantize import dequantize_component, finite_rows
 from .engine import DEFAULT_MAX_SHARD, OutTensor, made_warnings, passthrough, run, write_component
-from .parallel import Replan
-from .requantize import requantize, unrepresentable
+from .parallel import Replan, on_cores
+from .requantize import ExactRows, combined, error_sums, layer_error_of, requantize, unrepresentable
 
 # The quantized targets are the format registry's (formats/core/registry.py: caps or fit, plan, leaves,
 # requantize / retarget, encoder, config); the float targets dequantize (dequantize.py).
@@ -163,6 +164,70 @@ def _read_float(comp: Component, m: QuantModule) -> FloatWeight:
     return FloatWeight(FloatSpec(m.scheme), (m.out_features, m.in_features), m.scheme, values)
 
 
+def _float_rows(comp: Component, m: QuantModule, rows: tuple[int, int] | None = None) -> FloatWeight:
+    """An unquantized module to requantize (its output rows r0:r1 where given), its rows read from the
+    file as they are needed (ExactRows), each window refused when it holds a NaN or infinity, as
+    _read_float refuses the whole."""
+    info = comp.tensors[m.weight_tensors[0]]
+    first, last = rows or (0, m.out_features)
+
+    def read(r0: int, r1: int) -> np.ndarray:
+        values = read_float_rows(comp, m, (first + r0, first + r1))
+        if not np.isfinite(values).all():
+            raise CorruptCheckpoint("holds non-finite weights (NaN or infinity); they cannot be quantized",
+                                    file=info.file, tensor=info.name)
+        return values
+
+    shape = (last - first, m.in_features)
+    return FloatWeight(FloatSpec(m.scheme), shape, m.scheme, ExactRows(shape, _parallel_rows(read, shape)))
+
+
+def _parallel_rows(read, shape):
+    """read(r0, r1) for a large window as reads of blocks of rows on every core, into one array."""
+    from .requantize import BLOCK_ELEMENTS
+
+    def rows(r0: int, r1: int) -> np.ndarray:
+        step = max(1, BLOCK_ELEMENTS // max(1, shape[1]))
+        if r1 - r0 <= step:
+            return read(r0, r1)
+        out = np.empty((r1 - r0, shape[1]), np.float32)
+
+        def part(a: int) -> None:
+            b = min(r1, a + step)
+            out[a - r0:b - r0] = read(a, b)
+        on_cores(part, range(r0, r1, step))
+        return out
+    return rows
+
+
+def _exact_rows(comp: Component, m: QuantModule, source):
+    """The source module's exact float32 weight as ExactRows (read a window at a time): what the lossy
+    paths requantize; refused where a window is not finite."""
+    if isinstance(source, FloatWeight):
+        return source.values
+    shape = tuple(source.shape)
+    return ExactRows(shape, _parallel_rows(lambda r0, r1: finite_rows(comp, m, source, r0, r1), shape))
+
+
+REQUANTIZE_WINDOW = 1 << 22     # weights of a row-separable target requantizer's window (16 MiB of float32)
+
+
+def _requantize_by_rows(tgt, source, w, spec: QuantSpec, settings: Mapping):
+    """(qt, LayerError) of a row-separable target requantizer (Target.requantize_rows) run on windows of
+    rows (multiples of spec.block_rows), each window's error measured while it is in hand."""
+    out, inp = w.shape
+    step = max(1, spec.block_rows)
+    per = max(step, REQUANTIZE_WINDOW // max(1, inp) // step * step)
+    parts, sums, rtn_sums = [], [], []
+    for r0 in range(0, max(out, 1), per):          # a module of no rows: one empty window
+        rows = np.asarray(w[r0:min(out, r0 + per)], np.float32)
+        qt, rtn = tgt.requantize(source, rows, spec, settings)
+        parts.append(qt)
+        sums.append(error_sums(rows, qt))
+        rtn_sums.append(sums[-1] if rtn is qt else error_sums(rows, rtn))
+    return stack_rows(parts), layer_error_of(sums, rtn_sums)
+
+
 def _refuse(m: QuantModule, comp: Component, why: str) -> UnsupportedFormat:
     first = comp.tensors.get(m.weight_tensors[0]) if m.weight_tensors else None
     return UnsupportedFormat(why, file=first.file if first else None, tensor=m.name)
@@ -190,10 +255,10 @@ def _check_scales(m: QuantModule, comp: Component, source, qt: QuantTensor, spec
     bad = ~np.isfinite(scales)
     if bad.any():
         finite_source = getattr(source, "scales", None)
-        largest = float(np.abs(finite_source[np.isfinite(finite_source)]).max(initial=0.0)) \
-            if finite_source is not None else float("nan")
-        raise _refuse(m, comp, f"{int(bad.sum())} scales do not fit {stored} (they would be stored as infinity; "
-                               f"the largest is {largest:.3g}){way_out}")
+        largest = (f"; the largest is {float(np.abs(finite_source[np.isfinite(finite_source)]).max(initial=0.0)):.3g}"
+                   if finite_source is not None else "")      # a float source has no scales to name
+        raise _refuse(m, comp, f"{int(bad.sum())} scales do not fit {stored} (they would be stored as infinity"
+                               f"{largest}){way_out}")
     if not lossy and getattr(source, "scales", None) is not None and source.scales.shape == scales.shape:
         flushed = (scales == 0) & (np.asarray(source.scales) != 0)
         if flushed.any():
@@ -425,6 +490,65 @@ def _layer_error(w: np.ndarray, qt: QuantTensor, rtn: QuantTensor):
     return layer_error(w, qt, rtn)
 
 
+STREAM_WINDOW = 1 << 22     # weights of a requantized module's window of rows written at a time
+
+
+def _stream_windows(tgt, spec: QuantSpec, m: QuantModule, g_idx: bool, settings: dict) -> list | None:
+    """The windows of output rows a requantized module is read, requantized, encoded and written in, or
+    None where it cannot be: where some leaf of the target is not its rows' leaves stacked (GPTQ's and
+    AWQ's transposed qweight, a packed zero point along the output rows, a weight_shape), or its
+    requantizer needs the whole weight. A leaf is stacked when planned for a window of `step` rows it
+    is [step, ...] (per-row) or [1, ...] (one per block of step rows), and whole [out, ...] or
+    [ceil(out / step), ...], its other dimensions the same."""
+    out, inp = m.out_features, m.in_features
+    if out == 0 or inp == 0 or spec.flat or (tgt.requantize is not None and not tgt.requantize_rows):
+        return None
+    step = max(1, spec.block_rows)
+    if m.family != "float":
+        step = math.lcm(step, registered_family(m.family).row_step(m))
+    per = max(step, STREAM_WINDOW // inp // step * step)
+    if per >= out:
+        return None                            # one window: the module as a whole
+    whole = tgt.module_leaves(spec, (out, inp), g_idx, settings)
+    try:
+        part = tgt.module_leaves(spec, (step, inp), g_idx, settings)
+    except ValueError:                         # no layout for so few rows (codes packed along the output)
+        return None
+    block = max(1, spec.block_rows)
+    for leaf, (dtype, shape) in whole.items():
+        p = part.get(leaf)
+        if p is None or p[0] != dtype or len(shape) == 0 or tuple(p[1][1:]) != tuple(shape[1:]):
+            return None
+        per_row = p[1][0] == step and shape[0] == out
+        per_block = block == step and p[1][0] == 1 and shape[0] == -(-out // block)
+        if not (per_row or per_block):
+            return None
+    return [(r0, min(out, r0 + per)) for r0 in range(0, out, per)]
+
+
+class _Stream:
+    """A requantized module written a window of rows at a time (_stream_windows): each window read from
+    the source, requantized, checked and encoded, its leaves handed to whichever output tensor asks; a
+    leaf asked for first (its module's codes) streams, the others' parts (scales) wait until asked. After
+    the last window the module's error is combined and reported, as encoded() reports a whole module."""
+
+    def __init__(self, windows: list, window, finish):
+        self.windows, self.window, self.finish = list(windows), window, finish
+        self.waiting: dict[str, list] = {}
+
+    def leaf(self, name: str):
+        while True:
+            parts = self.waiting.pop(name, [])
+            yield from parts
+            if not self.windows:
+                return
+            r0, r1 = self.windows.pop(0)
+            for leaf, (_, data) in self.window(r0, r1).items():
+                self.waiting.setdefault(leaf, []).append(data)
+            if not self.windows:
+                self.finish()
+
+
 def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, cache: _ModuleCache,
                    tally: Tally, src_dtype: str, with_g_idx: bool, lossy: str | None, src_spec=None):
     """(settings, outputs) for one module: the write settings its target's plan gives it (Target.plan;
@@ -440,15 +564,21 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
 
     def encoded(settings: dict, into: Tally | None = None):
         st = Stats()
-        source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
+        if m.family == "float":
+            source = _float_rows(comp, m) if lossy else _read_float(comp, m)
+        else:
+            source = read_module(comp, det, m, src_dtype)
         err = None
-        if lossy and tgt.requantize is not None:        # the target's own quantizer (code books)
+        if lossy and tgt.requantize is not None and tgt.requantize_rows and not getattr(source.spec, "flat", False):
+            with np.errstate(over="ignore", invalid="ignore"):     # the target's own row-wise quantizer
+                qt, err = _requantize_by_rows(tgt, source, _exact_rows(comp, m, source), spec, settings)
+        elif lossy and tgt.requantize is not None:        # the target's own quantizer (code books)
             w = _exact_weights(comp, m, source)
             qt, rtn = tgt.requantize(source, w, spec, settings)
             with np.errstate(over="ignore", invalid="ignore"):
                 err = _layer_error(w, qt, rtn)
         elif lossy:
-            qt, err = requantize(_exact_weights(comp, m, source), spec.bits, spec.group_size, spec.symmetric,
+            qt, err = requantize(_exact_rows(comp, m, source), spec.bits, spec.group_size, spec.symmetric,
                                  spec.scale_dtype, source.dtype, search=opts.search)
             qt = replace(qt, spec=spec) if tgt.retarget is None else tgt.retarget(qt, spec, settings)[0]
         else:
@@ -482,8 +612,55 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
         settings = tgt.plan(ModuleContext(m, spec, lossy, opts, m.details.get("dtype") or src_dtype,
                                           lambda trial: encoded(trial), weights, comp.tensors, src_spec))
 
+    def stream(settings: dict, windows: list) -> _Stream:
+        st, errors, source_name = Stats(), [], []
+
+        def window(r0: int, r1: int) -> dict:
+            if m.family == "float":
+                source = _float_rows(comp, m, (r0, r1))
+            else:
+                source = read_module(comp, det, m, src_dtype, (r0, r1))
+            w = _exact_rows(comp, m, source)
+            source_name.append(source.spec.name)
+            with np.errstate(over="ignore", invalid="ignore"):
+                if tgt.requantize is not None:
+                    qt, err = _requantize_by_rows(tgt, source, w, spec, settings)
+                else:
+                    qt, err = requantize(w, spec.bits, spec.group_size, spec.symmetric, spec.scale_dtype,
+                                         source.dtype, search=opts.search)
+                    qt = replace(qt, spec=spec) if tgt.retarget is None else tgt.retarget(qt, spec, settings)[0]
+            _check_scales(m, comp, source, qt, spec, opts, lossy)
+            why = unrepresentable(qt, None, FLOAT_NAMES.get(spec.scale_dtype, ""))
+            if why:
+                raise _refuse(m, comp, f"cannot be written as {opts.to}: {why}")
+            errors.append(err)
+            st.scale_dtype = qt.spec.scale_dtype
+            if spec.zero_encoding == "v1" and qt.zeros is not None and bool((qt.zeros == 0).any()) \
+                    and m.name not in st.v1_zero:
+                st.v1_zero.append(m.name)
+            try:
+                return tgt.encode(qt, spec, write_g_idx)
+            except ValueError as exc:
+                raise _refuse(m, comp, f"cannot be stored as {opts.to}: {exc}") from None
+
+        def finish() -> None:
+            err = combined(errors)
+            if not all(np.isfinite(v) for v in (err.rel_frobenius, err.max_abs, err.sq_error)):
+                raise _refuse(m, comp, f"cannot be written as {opts.to}: its error cannot be measured (relative "
+                                       f"error {err.rel_frobenius}, largest {err.max_abs})")
+            st.requantized(m.name, lossy, source_name[0], spec.name, err)
+            st.modules += 1
+            tally.add(m.name, st)
+
+        return _Stream(windows, window, finish)
+
     def outputs(settings: dict) -> list[OutTensor]:
+        windows = _stream_windows(tgt, spec, m, write_g_idx, settings) if lossy else None
+
         def tensor(leaf, dtype, shape):
+            if windows is not None:
+                return OutTensor(f"{m.name}.{leaf}", dtype, shape,
+                                 lambda: cache.get(m.name, lambda: stream(settings, windows)).leaf(leaf))
             return OutTensor(f"{m.name}.{leaf}", dtype, shape,
                              lambda: [cache.get(m.name, lambda: encoded(settings, tally))[leaf][1]])
 

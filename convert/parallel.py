@@ -47,6 +47,25 @@ def threads() -> int:
     return _THREADS or machine_cores()
 
 
+_POOL = None
+_POOL_PREFIX = "qconv-compute"
+
+
+def on_cores(fn: Callable, items) -> list:
+    """[fn(i) for i in items] on threads() threads (numpy, torch and BLAS release the GIL), in the items'
+    order. Called from one of those threads (a task that itself maps), it runs in that thread: a pool
+    never waits on itself."""
+    global _POOL
+    items = list(items)
+    if len(items) <= 1 or threading.current_thread().name.startswith(_POOL_PREFIX):
+        return [fn(i) for i in items]
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(threads(), thread_name_prefix=_POOL_PREFIX)
+    return list(_POOL.map(fn, items))
+
+
 @dataclass(frozen=True)
 class Replan:
     """How a worker rebuilds a component's output plan: ``fn(comp, *args) -> (tensors, state)``, where

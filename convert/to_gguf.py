@@ -34,7 +34,7 @@ from ..formats.gguf import codec
 from ..formats.gguf.header import looks_like_gguf
 from ..formats.storage.checkpoint import Component, open_target
 from ..formats.storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, encode_float, read_array, to_float32
-from .convert import Options, Stats, Tally, _check_source, _exact_weights, _read_float, _source_spec, _split_experts
+from .convert import Options, Stats, Tally, _check_source, _exact_rows, _exact_weights, _read_float, _source_spec, _split_experts
 from .engine import DEFAULT_MAX_SHARD, plain_chunks
 from .requantize import requantize, unrepresentable
 from .staging import staged_output, test_hook
@@ -175,7 +175,7 @@ def _module_out(comp, det, m: QuantModule, opts: Options, arch, name: str, src_d
             raise UnsupportedFormat(f"cannot be written as MXFP4: {lossy}", tensor=m.name,
                                     file=comp.tensors[m.weight_tensors[0]].file)
         if lossy:
-            w = _exact_weights(comp, m, source)
+            w = _exact_rows(comp, m, source)
             bits, sym = codec.requant_settings(type_name)
             qt, err = requantize(w, bits, codec.QK, sym, "F16", source.dtype, search=opts.search)
             _refuse_unrepresentable(qt, err, type_name, m.name, comp.tensors[m.weight_tensors[0]].file)

@@ -87,6 +87,8 @@ def _unsigned(q: np.ndarray, bits: int, info: TensorInfo, what: str) -> np.ndarr
 
 
 def _signed(u: np.ndarray, bits: int) -> np.ndarray:
+    if bits == 8:                                          # u - 128 as int8, bit for bit, in one pass
+        return (np.asarray(u, np.uint8) ^ np.uint8(0x80)).view(np.int8)
     return (np.asarray(u).astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
 
 
@@ -391,12 +393,12 @@ def quantize_fp8(w: np.ndarray, dtype: str, block_rows: int, group_size: int) ->
     scale = torch.where(scale == 0, torch.tensor(torch.finfo(scale.dtype).eps, dtype=scale.dtype), scale)
     s = scale.unsqueeze(-1).unsqueeze(-1) if block else scale
     scaled = x / s
-    scaled += torch.zeros_like(s)
-    codes = torch.clamp(scaled, q_min, q_max).to(torch.float8_e4m3fn)
+    scaled.add_(0.0)                             # + zero point: -0 + 0 = +0 (a tiny negative stays one: e4m3 -0)
+    scaled.clamp_(-E4M3_MAX, E4M3_MAX)           # clamp(x, q_min, q_max): +-448 are bfloat16 / float16 values
+    codes = scaled.to(torch.float8_e4m3fn)
     if block:
         codes = codes.transpose(1, 2).reshape(rt * b0, ct * b1)[:out, :inp]
-    return (codes.contiguous().view(torch.uint8).numpy(),
-            scale.to(torch.float32).numpy().astype(np.float32, copy=False))
+    return codes.contiguous().view(torch.uint8).numpy(), scale.to(torch.float32).numpy().astype(np.float32, copy=False)
 
 
 def _fp8_tensor(codes: np.ndarray, scales: np.ndarray, spec: QuantSpec, dtype: str) -> QuantTensor:

@@ -47,7 +47,7 @@ None (every other format): the float32 product goes straight to the caller.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -204,6 +204,25 @@ class QuantTensor:
 
     def dequantize(self) -> np.ndarray:
         return self.dequantize_rows(0, self.shape[0])
+
+
+def stack_rows(parts: list[QuantTensor]) -> QuantTensor:
+    """QuantTensors of consecutive row windows of one module (a row-separable requantizer's parts) as
+    one: codes and per-row state concatenated; what every part holds alike (spec, dtype, global and
+    input scales) kept, and refused where parts differ."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    for p in parts[1:]:
+        if p.spec != first.spec or p.dtype != first.dtype or p.product_dtype != first.product_dtype \
+                or p.global_scale != first.global_scale or p.input_scale != first.input_scale:
+            raise AssertionError("row windows of one module quantized differently")
+    if first.spec.flat or first.g_idx is not None or first.double_quant is not None:
+        raise AssertionError("stack_rows: only row-wise QuantTensors")
+    cat = (lambda name: None if getattr(first, name) is None
+           else np.concatenate([getattr(p, name) for p in parts], axis=0))
+    return replace(first, shape=(sum(p.shape[0] for p in parts), first.shape[1]), codes=cat("codes"),
+                   scales=cat("scales"), zeros=cat("zeros"), group_scales=cat("group_scales"))
 
 
 @dataclass(frozen=True)

@@ -299,6 +299,10 @@ class Target:
     # its exact weights w (source.dequantize()), with plain round-to-nearest beside it for the report,
     # both QuantTensors in the target's terms. None: convert's integer requantizer (requantize.py).
     requantize: Callable | None = None
+    # requantize is row-separable (each row, or each spec.block_rows rows, quantized on its own given the
+    # settings): convert calls it on windows of rows and stacks the parts (ir.stack_rows), so a module's
+    # exact float32 weight is never held whole. False: it is given the whole weight.
+    requantize_rows: bool = False
     # (qt, spec, settings) -> (qt, exact | None): a module in the target's terms: its codes kept, scales
     # re-expressed where the target stores them differently, target-held state kept or dropped; exact:
     # the values its stored scales round, for the report (None: nothing rounded). convert's integer
@@ -434,7 +438,7 @@ def _register_targets() -> None:
                            compressed_tensors.float_leaves, compressed_tensors.float_config, "compressed_tensors.codec",
                            fit=_lazy("compressed_tensors.codec", "fit_fp8"), options=FP8_OPTIONS,
                            plan=_lazy("compressed_tensors.codec", "plan_fp8"),
-                           requantize=_lazy("compressed_tensors.codec", "requantize_fp8"),
+                           requantize=_lazy("compressed_tensors.codec", "requantize_fp8"), requantize_rows=True,
                            retarget=_lazy("compressed_tensors.codec", "retarget_fp8")))
     # llm-compressor's NVFP4A16 (nvfp4-pack-quantized): its own fit, plan and share (one global scale per
     # fused q/k/v and gate/up group, from the data), quantizer (llm-compressor's arithmetic) and retarget
@@ -453,7 +457,7 @@ def _register_targets() -> None:
                            Caps(frozenset({4}), asym=False, per_row=False, scale_dtypes=frozenset({"U8"})),
                            compressed_tensors.mxfp4_leaves, compressed_tensors.mxfp4_config, "compressed_tensors.codec",
                            fit=_lazy("compressed_tensors.codec", "fit_mxfp4"), options=frozenset(),
-                           requantize=_lazy("compressed_tensors.codec", "requantize_mxfp4"),
+                           requantize=_lazy("compressed_tensors.codec", "requantize_mxfp4"), requantize_rows=True,
                            retarget=_lazy("compressed_tensors.codec", "retarget_mxfp4")))
     # ModelOpt NVFP4 (quant_algo NVFP4, W4A4): codes, e4m3 scales, weight_scale_2 and the calibrated
     # input_scale kept from NVFP4 sources that carry a static activation scale (ModelOpt's own, or
@@ -483,7 +487,7 @@ def _register_targets() -> None:
                                               scale_dtypes=frozenset({"F32"}), divisor_scale="F32"),
                            fp8.writer_leaves, fp8.writer_config, "fp8.codec", fit=_lazy("fp8.codec", "fit"),
                            options=FP8_OPTIONS,
-                           requantize=_lazy("fp8.codec", "requantize"), retarget=_lazy("fp8.codec", "retarget")))
+                           requantize=_lazy("fp8.codec", "requantize"), requantize_rows=True, retarget=_lazy("fp8.codec", "retarget")))
     for name, quant_type in bnb.FOUR_BIT_TARGETS.items():
         register_target(Target(name, "bnb4", Caps(frozenset({4}), asym=False, per_row=False, grouped=False,
                                                   scale_dtypes=frozenset({"F32"}), divisor_scale="F32"),

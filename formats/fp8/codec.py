@@ -19,6 +19,13 @@ from ..storage.tensor_io import read_array, to_float32
 from .header import DEFAULT_BLOCK, check
 
 
+def _any_nan(codes: np.ndarray, chunk: int = 1 << 20) -> bool:
+    """Whether any e4m3 code is NaN (0x7F / 0xFF), a cache-sized chunk at a time (a whole-tensor mask of
+    a 132 M-code module costs more in page faults than the test itself)."""
+    flat = codes.reshape(-1)
+    return any(bool(((flat[i:i + chunk] & 0x7F) == 0x7F).any()) for i in range(0, flat.size, chunk))
+
+
 def read_e4m3(weight: TensorInfo, scale: TensorInfo, block_rows: int, group_size: int, dtype: str,
               rows: tuple[int, int] | None = None, *, expert_rows: int = 0, expert: int | None = None,
               row_offset: int = 0) -> QuantTensor:
@@ -39,8 +46,8 @@ def read_e4m3(weight: TensorInfo, scale: TensorInfo, block_rows: int, group_size
     out, inp = weight.shape
     r0, r1 = rows or (0, out)
     codes = read_array(weight, rows=None if rows is None else (r0, r1))
-    nan = (codes & 0x7F) == 0x7F
-    if nan.any():
+    if _any_nan(codes):
+        nan = (codes & 0x7F) == 0x7F
         o, i = (int(v[0]) for v in np.nonzero(nan))
         raise CorruptCheckpoint(f"holds {int(nan.sum())} e4m3 NaN codes (0x7F / 0xFF), the first at "
                                 f"[{r0 + o}, {i}]: no weight decodes from them", file=weight.file,

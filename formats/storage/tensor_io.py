@@ -107,6 +107,24 @@ def to_float32(values: np.ndarray, dtype: str) -> np.ndarray:
     return values.astype(np.float32, copy=False)
 
 
+def f32_to_bf16(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), rounded to nearest even as torch's .to(torch.bfloat16) rounds
+    (c10::BFloat16: (u + 0x7FFF + ((u >> 16) & 1)) >> 16, beyond the largest finite value infinity), NaN
+    as 0xFFFF, what ATen's vectorized conversion writes for every NaN. In numpy, so writing bfloat16 needs
+    no torch (its import is 1-2 s of a dequantize), and the bits are the same on every CPU."""
+    u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    t = u >> 16
+    t &= 1
+    t += 0x7FFF
+    t += u                                   # wraps only for NaN / inf bit patterns above 0xFF800000 - 0x8000
+    t >>= 16
+    out = t.astype(np.uint16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    if nan.any():
+        out[nan] = 0xFFFF
+    return out.reshape(np.shape(values))
+
+
 _TORCH = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 
 
@@ -116,6 +134,8 @@ def convert_float(values: np.ndarray, src: str, dst: str) -> np.ndarray:
     instructions, which numpy's float16 cast does not use (10x slower)."""
     if src == dst:
         return values
+    if src == "F32" and dst == "BF16":
+        return f32_to_bf16(values)
     if values.size <= 1 << 16 and src in ("F16", "F32", "F64") and dst in ("F16", "F32"):
         with np.errstate(over="ignore"):     # beyond float16's range is inf, as torch makes it
             return values.astype(np.float16 if dst == "F16" else np.float32)   # small: skip torch's import
