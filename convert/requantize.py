@@ -76,11 +76,16 @@ class LayerError:
     norm_sq: float = 0.0        # sum of squared source weights (what windows' errors are combined with)
 
 
-def _grouped(w: np.ndarray, group_size: int):
+def _grouped(w: np.ndarray, group_size: int, owned: bool = False):
+    """w [out, in] as [out, groups, gs] (a short last group padded with zeros) and the mask of real
+    inputs; w itself, reshaped, where it is ``owned`` (a fresh array the caller lets the search
+    overwrite) and its groups are whole."""
     out, inp = w.shape
     # one group per row (group_size <= 0) even for a row of no inputs, whose scale is then any scale
     gs = max(1, inp) if group_size <= 0 else group_size
     groups = 1 if group_size <= 0 else -(-inp // gs)
+    if owned and groups * gs == inp and w.dtype == np.float32 and w.flags.c_contiguous:
+        return w.reshape(out, groups, gs), np.ones((groups, gs), np.float32), gs
     padded = np.zeros((out, groups * gs), np.float32)
     padded[:, :inp] = w
     mask = np.zeros(groups * gs, np.float32)
@@ -94,11 +99,12 @@ def _stored(scale: np.ndarray, scale_dtype: str) -> np.ndarray:
 
 
 def _sym_candidates(wg, bits):
-    amax = np.abs(wg).max(axis=2)
+    hi, lo = wg.max(axis=2), wg.min(axis=2)
+    amax = np.maximum(hi, -lo)                                        # |w|'s largest, without an |w| copy
     top = float((1 << (bits - 1)) - 1)
-    negative_peak = -wg.min(axis=2) > wg.max(axis=2)
     rtn = amax / np.float32(((1 << bits) - 1) / 2)                   # GPTQ sym RTN: 2 absmax / (2^b - 1)
     yield rtn
+    negative_peak = -lo > hi
     if bits >= WIDE_BITS:
         for f in SHRINK_WIDE:
             yield np.where(negative_peak, amax / np.float32(top + 1) * f, amax / np.float32(top) * f)
@@ -229,7 +235,7 @@ def _quantize(w, bits: int, group_size: int, sym: bool, scale_dtype: str, dtype:
 
     def block(r0: int) -> tuple[float, float, float, float]:
         r1 = min(out, r0 + step)
-        wg, mask, _ = _grouped(np.asarray(w[r0:r1], np.float32), group_size)
+        wg, mask, _ = _grouped(np.asarray(w[r0:r1], np.float32), group_size, owned=isinstance(w, ExactRows))
         q, s, z, err, rtn_err = _search(wg, mask, bits, sym, scale_dtype, search)
         codes[r0:r1] = q.reshape(r1 - r0, groups * gs)[:, :inp]
         scales[r0:r1], zeros[r0:r1] = s, z
