@@ -29,7 +29,7 @@ JOBS = [
     ("llama-fp16", {"to": "compressed-tensors-w8a8", "search": False}, True),    # ... round-to-nearest
     ("llama-fp8-block", {"to": "compressed-tensors-w8a8"}, True),            # e4m3 blocks -> int8
     ("llama-gptq-w4g128-actorder", {"to": "compressed-tensors-w8a8"}, True),     # act-order int4 -> int8
-    ("llama-fp16", {"to": "gptq", "bits": 4, "group_size": 64}, False),      # float -> int4 groups (203 candidates)
+    ("llama-gptq-w8g128", {"to": "gptq", "group_size": 64}, False),          # int8 groups of 128 -> of 64
     ("llama-fp16", {"to": "compressed-tensors-fp8"}, True),                  # llm-compressor's FP8_DYNAMIC
     ("llama-fp16", {"to": "compressed-tensors-fp8", "block_size": (128, 128)}, True),   # ... FP8_BLOCK
     ("llama-fp16", {"to": "fp8"}, True),                                     # transformers' fine-grained FP8
