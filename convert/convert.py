@@ -476,8 +476,9 @@ class _ModuleCache:
     def __init__(self):
         self.key, self.value = None, None
 
-    def get(self, key, make):
-        if key != self.key:
+    def get(self, key, make, stale=lambda value: False):
+        """The value of key, made anew where it is another key's or ``stale(value)``."""
+        if key != self.key or stale(self.value):
             self.key, self.value = None, None       # drop the previous module before decoding the next
             self.value, self.key = make(), key
         return self.value
@@ -535,8 +536,10 @@ class _Stream:
     def __init__(self, windows: list, window, finish):
         self.windows, self.window, self.finish = list(windows), window, finish
         self.waiting: dict[str, list] = {}
+        self.served: set[str] = set()          # leaves handed out: asked again, the module is read anew
 
     def leaf(self, name: str):
+        self.served.add(name)
         while True:
             parts = self.waiting.pop(name, [])
             yield from parts
@@ -660,7 +663,8 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
         def tensor(leaf, dtype, shape):
             if windows is not None:
                 return OutTensor(f"{m.name}.{leaf}", dtype, shape,
-                                 lambda: cache.get(m.name, lambda: stream(settings, windows)).leaf(leaf))
+                                 lambda: cache.get(m.name, lambda: stream(settings, windows),
+                                                   stale=lambda s: leaf in s.served).leaf(leaf))
             return OutTensor(f"{m.name}.{leaf}", dtype, shape,
                              lambda: [cache.get(m.name, lambda: encoded(settings, tally))[leaf][1]])
 

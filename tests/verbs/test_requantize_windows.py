@@ -158,3 +158,21 @@ def test_a_window_that_cannot_be_stored_refuses_the_module_and_writes_nothing(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no DST, no staging folder
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before
     assert torch.isfinite(load_file(src / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]).all()
+
+
+def test_a_streamed_tensor_read_twice_gives_the_same_bytes(monkeypatch):
+    """An output tensor of a module written a window at a time, asked for twice (a writer that reads a
+    tensor again): the second reading reads the module anew and yields the same bytes, never a short
+    tensor."""
+    from qconv.formats.storage.checkpoint import open_component
+
+    monkeypatch.setattr(convert_mod, "STREAM_WINDOW", 16384)
+    comp = open_component(CHECKPOINTS / "llama-fp16", "llama-fp16")
+    planned = convert_mod._plan(comp, convert_mod.Options(to="compressed-tensors-w8a8"))
+    weight = planned.outputs["model.layers.0.mlp.down_proj.weight"]
+    scale = planned.outputs["model.layers.0.mlp.down_proj.weight_scale"]
+    first = b"".join(np.ascontiguousarray(a).tobytes() for a in weight.chunks())
+    scales = b"".join(np.ascontiguousarray(a).tobytes() for a in scale.chunks())
+    again = b"".join(np.ascontiguousarray(a).tobytes() for a in weight.chunks())
+    assert first == again and len(first) == int(np.prod(weight.shape))     # int8 codes: a byte each
+    assert len(scales) == 2 * int(np.prod(scale.shape))                      # float16 scales
