@@ -606,9 +606,9 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
             into.add(m.name, st)
         return leaves
 
-    def weights():
-        source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
-        return _exact_weights(comp, m, source)
+    def weights():                            # ExactRows: a plan reads them a window at a time
+        source = _float_rows(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
+        return _exact_rows(comp, m, source)
 
     settings = {}
     if tgt.plan is not None:                  # settings the header needs first (a nested double-quant offset)

@@ -486,14 +486,24 @@ def fit_nvfp4(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str |
     return spec, f"{src.name} codes become NVFP4"
 
 
-def _absmax(w: np.ndarray, dtype: str):
+ABSMAX_WINDOW = 1 << 22     # weights of rows _absmax reads at a time
+
+
+def _absmax(w, dtype: str, window: int | None = None):
     """The weight's absolute maximum as llm-compressor's observer takes it: over the weight in the model
-    dtype (a torch 0-dim tensor of that dtype)."""
+    dtype (a torch 0-dim tensor of that dtype). Read a window of about ``window`` weights of rows at a
+    time (w: an array or convert's ExactRows): the maximum of the windows' maxima is the same value."""
     import torch
 
     tdtype = getattr(torch, dtype) if dtype in _TORCH_DTYPES else torch.float32
-    x = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(tdtype)
-    return x.abs().max() if x.numel() else torch.zeros((), dtype=tdtype)
+    best = torch.zeros((), dtype=tdtype)
+    out, inp = w.shape
+    step = max(1, (window or ABSMAX_WINDOW) // max(1, inp))
+    for r0 in range(0, out, step):
+        x = torch.from_numpy(np.ascontiguousarray(w[r0:r0 + step], dtype=np.float32)).to(tdtype)
+        if x.numel():
+            best = torch.maximum(best, x.abs().max())
+    return best
 
 
 def plan_nvfp4(ctx) -> dict:
@@ -603,8 +613,8 @@ def requantize_nvfp4(source, w: np.ndarray, spec: QuantSpec, settings: Mapping) 
     """A module quantized to NVFP4 from its exact weights as llm-compressor quantizes it (quantize_nvfp4:
     min-max, no search, so the report's two columns are the same), under the global scale share_nvfp4
     gave its fused group."""
-    g = settings.get("global_scale")
-    if g is None:
+    g = settings.get("global_scale")           # share_nvfp4's, for every module convert requantizes: so
+    if g is None:                                # the rows are quantized on their own (Target.requantize_rows)
         g = global_scale(float(_absmax(w, source.dtype)), source.dtype)
     codes, group_scales = quantize_nvfp4(w, source.dtype, g)
     qt = _nvfp4_tensor(codes, group_scales, g, spec, source.dtype)

@@ -449,7 +449,7 @@ def _register_targets() -> None:
                            fit=_lazy("compressed_tensors.codec", "fit_nvfp4"), options=frozenset(),
                            plan=_lazy("compressed_tensors.codec", "plan_nvfp4"),
                            share=_lazy("compressed_tensors.codec", "share_nvfp4"),
-                           requantize=_lazy("compressed_tensors.codec", "requantize_nvfp4"),
+                           requantize=_lazy("compressed_tensors.codec", "requantize_nvfp4"), requantize_rows=True,
                            retarget=_lazy("compressed_tensors.codec", "retarget_nvfp4")))
     # llm-compressor's MXFP4A16 (mxfp4-pack-quantized): its own fit, quantizer (llm-compressor's
     # arithmetic) and retarget (codes and e8m0 scales kept from MXFP4); compressed_tensors/.

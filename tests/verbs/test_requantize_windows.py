@@ -1,6 +1,6 @@
 """Requantization reads a module's exact weight a window of rows at a time (convert/requantize.py:
 ExactRows, blocks of BLOCK_ELEMENTS for the integer search, windows of REQUANTIZE_WINDOW for the
-row-separable target quantizers: FP8, MXFP4), measuring each window's error while it is in hand
+row-separable target quantizers: FP8, MXFP4, NVFP4 under its planned global scale), measuring each window's error while it is in hand
 (issue 33); where every leaf of the target is its rows' leaves stacked, a module is also read from its
 source, encoded and written a window at a time (convert._Stream). Three things hold whatever the window:
 
@@ -20,6 +20,7 @@ import qconv
 from conftest import CHECKPOINTS, load_tensors
 from qconv.convert import convert as convert_mod
 from qconv.convert import requantize as rq
+from qconv.formats.compressed_tensors import codec as ct_codec
 
 # (fixture, convert keywords, written a window of rows at a time: every leaf of the target is its rows'
 # leaves stacked; GPTQ's qweight is [in / 8, out], so its modules are encoded whole, their weight read
@@ -34,6 +35,8 @@ JOBS = [
     ("llama-fp16", {"to": "compressed-tensors-fp8", "block_size": (128, 128)}, True),   # ... FP8_BLOCK
     ("llama-fp16", {"to": "fp8"}, True),                                     # transformers' fine-grained FP8
     ("llama-fp16", {"to": "compressed-tensors-mxfp4"}, True),                # MXFP4A16
+    ("llama-fp16", {"to": "compressed-tensors-nvfp4"}, False),               # NVFP4A16 (its [1] global scale:
+    ("llama-ct-fp8-dynamic", {"to": "compressed-tensors-nvfp4"}, False),     # encoded whole, quantized by windows)
     ("llama-fp16", {"to": "mlx", "bits": 8, "group_size": 64}, True),        # mlx-lm affine 8-bit
 ]
 
@@ -50,6 +53,7 @@ def test_small_windows_give_the_same_bytes_and_never_the_whole_weight(tmp_path, 
     monkeypatch.setattr(rq, "BLOCK_ELEMENTS", 4096)              # 256-input layers: blocks of 16 rows
     monkeypatch.setattr(convert_mod, "REQUANTIZE_WINDOW", 8192)  # ... windows of 32 rows
     monkeypatch.setattr(convert_mod, "STREAM_WINDOW", 16384)     # ... written 64 rows at a time
+    monkeypatch.setattr(ct_codec, "ABSMAX_WINDOW", 8192)        # NVFP4's planned maximum: 32 rows at a time
     streams = []
     stream = convert_mod._Stream.__init__
     monkeypatch.setattr(convert_mod._Stream, "__init__", lambda self, windows, *a: streams.append(len(windows))
