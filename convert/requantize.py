@@ -6,10 +6,10 @@ The search is per group and exhaustive over a small grid, measured against the e
 stored in, so the error chosen is the error the file will have:
 
 * symmetric (zero point 2^(b-1), codes -2^(b-1) .. 2^(b-1)-1 around it): scale = f absmax / d for f
-  in 0.50 .. 1.00 with d = 2^(b-1) - 1, or d = 2^(b-1) for groups whose largest magnitude is negative
+  in 0.50 .. 1.50 (101 steps) with d = 2^(b-1) - 1, or d = 2^(b-1) for groups whose largest magnitude is negative
   (the code range is one step longer on that side). Plain round-to-nearest GPTQ (scale
   2 absmax / (2^b - 1)) is one of the candidates, so the search is never worse than it.
-* asymmetric: the [min, max] range shrunk by f in 0.50 .. 1.00, zero point rounded.
+* asymmetric: the [min, max] range scaled by f in 0.50 .. 1.50, zero point rounded.
 * then a few least-squares steps: for the chosen codes the best scale is sum(w q') / sum(q'^2).
 
 At 8 bits and more the grid is five candidates, not 203: round-to-nearest and f = 0.99 .. 0.96 of the
@@ -253,14 +253,6 @@ def _quantize(w, bits: int, group_size: int, sym: bool, scale_dtype: str, dtype:
     qt = QuantTensor(spec, (out, inp), dtype, codes=codes, scales=scales, zeros=zeros)
     sums = [(p[0], p[2], p[3]) for p in parts]
     return qt, layer_error_of(sums, sums if not search else [(p[1], p[2], 0.0) for p in parts])
-
-
-def error_of(w, qt: QuantTensor) -> tuple[float, float, float]:
-    """(relative Frobenius error, largest absolute error, squared error) of qt against w (an array or
-    ExactRows)."""
-    sq, norm2, largest = error_sums(w, qt)
-    norm = float(np.sqrt(norm2))
-    return (float(np.sqrt(sq) / norm) if norm else 0.0), largest, sq
 
 
 def layer_error_of(sums: list, rtn_sums: list) -> LayerError:
