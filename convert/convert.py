@@ -44,7 +44,7 @@ from ..formats.storage.tensor_io import FLOAT_NAMES, encode_float, finite_scales
 from .dequantize import dequantize_component, finite_rows
 from .engine import DEFAULT_MAX_SHARD, OutTensor, made_warnings, passthrough, run, write_component
 from .parallel import Replan, on_cores
-from .requantize import ExactRows, combined, error_sums, layer_error_of, requantize, unrepresentable
+from .requantize import ExactRows, combined, error_sums, layer_error_of, requantize, unmeasurable, unrepresentable
 
 # The quantized targets are the format registry's (formats/core/registry.py: caps or fit, plan, leaves,
 # requantize / retarget, encoder, config); the float targets dequantize (dequantize.py).
@@ -565,43 +565,51 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
     tgt = registered_target(opts.to)
     write_g_idx = tgt.g_idx == "always" or with_g_idx
 
+    def requantized(source, settings: dict) -> tuple[QuantTensor, object]:
+        """(qt, LayerError) of a lossy module, or of a window of its rows: the target's own quantizer (by
+        windows of rows where it is row-separable), else convert's integer requantizer."""
+        if tgt.requantize is not None and tgt.requantize_rows and not getattr(source.spec, "flat", False):
+            with np.errstate(over="ignore", invalid="ignore"):
+                return _requantize_by_rows(tgt, source, _exact_rows(comp, m, source), spec, settings)
+        if tgt.requantize is not None:                  # the target's own quantizer (code books)
+            w = _exact_weights(comp, m, source)
+            qt, rtn = tgt.requantize(source, w, spec, settings)
+            with np.errstate(over="ignore", invalid="ignore"):
+                return qt, _layer_error(w, qt, rtn)
+        qt, err = requantize(_exact_rows(comp, m, source), spec.bits, spec.group_size, spec.symmetric,
+                             spec.scale_dtype, source.dtype, search=opts.search)
+        return (replace(qt, spec=spec) if tgt.retarget is None else tgt.retarget(qt, spec, settings)[0]), err
+
+    def checked_leaves(source, qt: QuantTensor, err, st: Stats) -> dict:
+        """The checks every module (or window of one) passes before its bytes are written, and its
+        encoded tensors: scales that the stored dtype holds, finite weights (and error, where given), a
+        g_idx only where the target stores one."""
+        _check_scales(m, comp, source, qt, spec, opts, lossy)
+        why = unrepresentable(qt, err, FLOAT_NAMES.get(spec.scale_dtype, ""))
+        if why:
+            raise _refuse(m, comp, f"cannot be written as {opts.to}: {why}")
+        st.scale_dtype = qt.spec.scale_dtype
+        if spec.zero_encoding == "v1" and qt.zeros is not None and bool((qt.zeros == 0).any()) \
+                and m.name not in st.v1_zero:
+            st.v1_zero.append(m.name)
+        if qt.g_idx is not None and not with_g_idx:
+            raise _refuse(m, comp, f"act-order g_idx cannot be stored in {opts.to}")  # planned as lossy
+        try:
+            return tgt.encode(qt, spec, write_g_idx)
+        except ValueError as exc:             # data the header-level plan could not see (zero points)
+            raise _refuse(m, comp, f"cannot be stored as {opts.to}: {exc}") from None
+
     def encoded(settings: dict, into: Tally | None = None):
         st = Stats()
         if m.family == "float":
             source = _float_rows(comp, m) if lossy else _read_float(comp, m)
         else:
             source = read_module(comp, det, m, src_dtype)
-        err = None
-        if lossy and tgt.requantize is not None and tgt.requantize_rows and not getattr(source.spec, "flat", False):
-            with np.errstate(over="ignore", invalid="ignore"):     # the target's own row-wise quantizer
-                qt, err = _requantize_by_rows(tgt, source, _exact_rows(comp, m, source), spec, settings)
-        elif lossy and tgt.requantize is not None:        # the target's own quantizer (code books)
-            w = _exact_weights(comp, m, source)
-            qt, rtn = tgt.requantize(source, w, spec, settings)
-            with np.errstate(over="ignore", invalid="ignore"):
-                err = _layer_error(w, qt, rtn)
-        elif lossy:
-            qt, err = requantize(_exact_rows(comp, m, source), spec.bits, spec.group_size, spec.symmetric,
-                                 spec.scale_dtype, source.dtype, search=opts.search)
-            qt = replace(qt, spec=spec) if tgt.retarget is None else tgt.retarget(qt, spec, settings)[0]
-        else:
-            qt = _retarget(source, spec, st, tgt, settings)
-        _check_scales(m, comp, source, qt, spec, opts, lossy)
-        why = unrepresentable(qt, err, FLOAT_NAMES.get(spec.scale_dtype, ""))
-        if why:
-            raise _refuse(m, comp, f"cannot be written as {opts.to}: {why}")
+        qt, err = requantized(source, settings) if lossy else (_retarget(source, spec, st, tgt, settings), None)
+        leaves = checked_leaves(source, qt, err, st)
         if lossy:
             st.requantized(m.name, lossy, source.spec.name, spec.name, err)
         st.modules += 1
-        st.scale_dtype = qt.spec.scale_dtype
-        if spec.zero_encoding == "v1" and qt.zeros is not None and bool((qt.zeros == 0).any()):
-            st.v1_zero.append(m.name)
-        if qt.g_idx is not None and not with_g_idx:
-            raise _refuse(m, comp, f"act-order g_idx cannot be stored in {opts.to}")  # planned as lossy
-        try:
-            leaves = tgt.encode(qt, spec, write_g_idx)
-        except ValueError as exc:             # data the header-level plan could not see (zero points)
-            raise _refuse(m, comp, f"cannot be stored as {opts.to}: {exc}") from None
         if into is not None:
             into.add(m.name, st)
         return leaves
@@ -623,34 +631,16 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
                 source = _float_rows(comp, m, (r0, r1))
             else:
                 source = read_module(comp, det, m, src_dtype, (r0, r1))
-            w = _exact_rows(comp, m, source)
             source_name.append(source.spec.name)
-            with np.errstate(over="ignore", invalid="ignore"):
-                if tgt.requantize is not None:
-                    qt, err = _requantize_by_rows(tgt, source, w, spec, settings)
-                else:
-                    qt, err = requantize(w, spec.bits, spec.group_size, spec.symmetric, spec.scale_dtype,
-                                         source.dtype, search=opts.search)
-                    qt = replace(qt, spec=spec) if tgt.retarget is None else tgt.retarget(qt, spec, settings)[0]
-            _check_scales(m, comp, source, qt, spec, opts, lossy)
-            why = unrepresentable(qt, None, FLOAT_NAMES.get(spec.scale_dtype, ""))
-            if why:
-                raise _refuse(m, comp, f"cannot be written as {opts.to}: {why}")
+            qt, err = requantized(source, settings)
             errors.append(err)
-            st.scale_dtype = qt.spec.scale_dtype
-            if spec.zero_encoding == "v1" and qt.zeros is not None and bool((qt.zeros == 0).any()) \
-                    and m.name not in st.v1_zero:
-                st.v1_zero.append(m.name)
-            try:
-                return tgt.encode(qt, spec, write_g_idx)
-            except ValueError as exc:
-                raise _refuse(m, comp, f"cannot be stored as {opts.to}: {exc}") from None
+            return checked_leaves(source, qt, None, st)      # the error is checked whole, in finish
 
         def finish() -> None:
             err = combined(errors)
-            if not all(np.isfinite(v) for v in (err.rel_frobenius, err.max_abs, err.sq_error)):
-                raise _refuse(m, comp, f"cannot be written as {opts.to}: its error cannot be measured (relative "
-                                       f"error {err.rel_frobenius}, largest {err.max_abs})")
+            why = unmeasurable(err)
+            if why:
+                raise _refuse(m, comp, f"cannot be written as {opts.to}: {why}")
             st.requantized(m.name, lossy, source_name[0], spec.name, err)
             st.modules += 1
             tally.add(m.name, st)

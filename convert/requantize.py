@@ -326,6 +326,11 @@ def unrepresentable(qt: QuantTensor, err: LayerError | None = None, stored_as: s
     if bad is not None:
         r, c, value = bad
         return f"the weight at [{r}, {c}] would decode to {value}"
-    if err is not None and not all(np.isfinite(v) for v in (err.rel_frobenius, err.max_abs, err.sq_error)):
+    return unmeasurable(err) if err is not None else None
+
+
+def unmeasurable(err: LayerError) -> str | None:
+    """Why a module's error is no number (an overflow somewhere in its weights), or None."""
+    if not all(np.isfinite(v) for v in (err.rel_frobenius, err.max_abs, err.sq_error)):
         return f"its error cannot be measured (relative error {err.rel_frobenius}, largest {err.max_abs})"
     return None
