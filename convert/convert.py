@@ -156,12 +156,9 @@ def _data_free_modules(comp: Component, opts: Options) -> list[QuantModule]:
 
 
 def _read_float(comp: Component, m: QuantModule) -> FloatWeight:
-    info = comp.tensors[m.weight_tensors[0]]
-    values = read_float_rows(comp, m)
-    if not np.all(np.isfinite(values)):
-        raise CorruptCheckpoint("holds non-finite weights (NaN or infinity); they cannot be quantized",
-                                file=info.file, tensor=info.name)
-    return FloatWeight(FloatSpec(m.scheme), (m.out_features, m.in_features), m.scheme, values)
+    """An unquantized module's whole float32 weight (refused where it holds a NaN or infinity)."""
+    lazy = _float_rows(comp, m)
+    return replace(lazy, values=np.asarray(lazy.values))
 
 
 def _float_rows(comp: Component, m: QuantModule, rows: tuple[int, int] | None = None) -> FloatWeight:
