@@ -35,6 +35,7 @@ from ..formats.core.registry import AUTO_ROUND_AWQ_TARGET, ModuleContext, WriteC
 from ..formats.core.detect import METHOD_NAMES, Detection, without_quantization
 from ..formats.bnb.codec import STORAGE_CODES, scb_from_scales as _scb_from_scales  # noqa: F401 (tests import it here)
 from ..formats.core.ir import FloatSpec, FloatWeight, QuantSpec, QuantTensor, stack_rows
+from ..formats.core.activation import activation_report, static_activation
 from ..formats.core.minifloat import BOOKS
 from ..formats.core.layout import QuantModule, examples, natural_key
 from ..formats.core.experts import is_fused_name, split_module, why_not_split
@@ -618,7 +619,8 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
     settings = {}
     if tgt.plan is not None:                  # settings the header needs first (a nested double-quant offset)
         settings = tgt.plan(ModuleContext(m, spec, lossy, opts, m.details.get("dtype") or src_dtype,
-                                          lambda trial: encoded(trial), weights, comp.tensors, src_spec))
+                                          lambda trial: encoded(trial), weights, comp.tensors, src_spec,
+                                          static_activation(m, comp.tensors)))
 
     def stream(settings: dict, windows: list) -> _Stream:
         st, errors, source_name = Stats(), [], []
@@ -777,25 +779,13 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
     if views:           # fused experts written as one Linear per expert (_split_experts)
         fused = sorted({m.details["rows_of"][0].name for m in views}, key=natural_key)
         summary["experts_split"] = {"fused_tensors": len(fused), "modules": len(views), "examples": fused[:2]}
+    tgt = registered_target(opts.to)
+    activations, lost = activation_report(modules, p.outputs, opts.to, tgt.dynamic_activations)
+    if any(activations.values()):
+        summary["static_activation_scales"] = activations
     return {"component": comp.name, "from": det.method, "to": opts.to, "search": opts.search, **summary, **written,
             "warnings": list(det.warnings) + made_warnings(comp) + _v1_zero_warning(summary["v1_zero_points"])
-            + _activation_warning(modules, p.outputs, opts)}
-
-
-# Static activation quantization stored beside a weight (FP8 static, NVFP4 W4A4, ModelOpt): calibrated on
-# data, so no data-free writer can make it; only modelopt-nvfp4 stores one, carried from its source.
-ACTIVATION_LEAVES = ("input_scale", "input_global_scale", "input_zero_point")
-
-
-def _activation_warning(modules: list[QuantModule], outputs: Mapping, opts: Options) -> list[str]:
-    carried = {m.name for m in modules if any(f"{m.name}.{leaf}" in outputs for leaf in ACTIVATION_LEAVES)}
-    dropped = sorted((t for m in modules if m.name not in carried for t in m.state_tensors
-                      if t.rsplit(".", 1)[-1] in ACTIVATION_LEAVES and t not in outputs), key=natural_key)
-    if not dropped:
-        return []
-    act = registered_target(opts.to).activations
-    return [f"{len(dropped)} static activation scales are not carried ({examples(dropped)}): {opts.to} "
-            f"stores none{f'; its activations are {act}' if act else ''}"]
+            + lost}
 
 
 def _v1_zero_warning(names: list[str]) -> list[str]:

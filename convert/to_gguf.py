@@ -26,6 +26,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from ..errors import CorruptCheckpoint, OutputError, UnsupportedFormat, UsageError
+from ..formats.core.activation import activation_report
 from ..formats.core.experts import split_interleaved
 from ..formats.core.layout import QuantModule, natural_key
 from ..formats.core.reader import model_dtype, read_module, require_decodable
@@ -42,6 +43,8 @@ from .staging import staged_output, test_hook
 ROPE_FREQS = "rope_parameters (llama3)"         # the source of rope_freqs: computed from config.json
 _FLOAT_GGML = {"F16": (np.float16, "F16"), "F32": (np.float32, "F32"), "BF16": (np.uint16, "BF16")}
 GGUF_OPTIONS = frozenset({"bits", "gguf_asym", "gguf_float", "gguf_float_type"})   # convert.check_options
+# what llama.cpp does to activations (a quantized weight's dot product rounds them to its q8 blocks at run time)
+GGUF_ACTIVATIONS = "q8 blocks of 32 (llama.cpp's dot products), dynamic"
 GGUF_BITS = {4: "Q4_0", 8: "Q8_0"}                # --bits: what every requantized module becomes
 _FLOAT_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}     # --gguf-float-type
 _WIDER = {"F16": "bf16 or f32", "BF16": "f32"}
@@ -596,6 +599,10 @@ def write(comp: Component, path: Path, opts: Options, max_shard: int, jobs: int 
     warnings = list(det.warnings) + ([f"{vision} vision-tower tensors not written: llama.cpp reads a VL model's "
                                       f"vision tower from an mmproj file, which qconv does not write yet"]
                                      if vision else [])
+    activations, lost = activation_report(det.modules, {}, "gguf", GGUF_ACTIVATIONS)
+    if activations["dropped"]:
+        summary["static_activation_scales"] = activations
+    warnings += lost
     requantized = {r["module"] for r in summary["layers"]}
 
     def codes(o: _Out) -> str | None:

@@ -23,7 +23,7 @@ from typing import Mapping
 import numpy as np
 
 from ...errors import CorruptCheckpoint, UnsupportedFormat
-from .header import (FP8_TARGET, INT, MXFP4_GROUP, MXFP4_TARGET, NAIVE, NVFP4, NVFP4_GROUP, NVFP4_TARGET, PACKED,
+from .header import (FP8_TARGET, INT, input_scale_dtype, MXFP4_GROUP, MXFP4_TARGET, NAIVE, NVFP4, NVFP4_GROUP, NVFP4_TARGET, PACKED,
                      READABLE_FORMATS, mxfp4_leaves,
                      _PADDED_BITS, _SCALE_DTYPES, _padded_range, check, float_leaves, fused_group, leaves,
                      nvfp4_leaves, padded_layout_message)
@@ -322,6 +322,8 @@ def fit_fp8(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str | N
         block_rows, group = request.block_size
     elif e4m3 and src.block_rows > 0 and src_group > 0:
         block_rows, group = src.block_rows, src_group
+    elif e4m3 and src.block_rows == 0:                 # llm-compressor's FP8 preset: one scale per tensor
+        block_rows, group = 0, -1
     else:
         block_rows, group = 1, -1
     if e4m3:
@@ -334,7 +336,7 @@ def fit_fp8(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str | N
     if not e4m3:
         return spec, f"{src.name} codes become e4m3"
     if src.block_rows == 0 or (src.block_rows, src_group) == (block_rows, group):
-        return spec, None
+        return spec, None          # the same structure, or one scale per tensor repeated per channel / block
     return spec, f"e4m3 {_structure(src.block_rows, src_group)} become e4m3 {_structure(block_rows, group)}"
 
 
@@ -346,11 +348,22 @@ def plan_fp8(ctx) -> dict:
     (fine-grained FP8's float32 amax / 448 is rarely a 16-bit value)."""
     model = _MODEL_SCALE.get(ctx.dtype, "F32")
     if ctx.reason or ctx.spec.scale_dtype == model:
-        return {"scale_dtype": model}
+        return {"scale_dtype": model, **_static_input(ctx)}
     dtype, stored = ctx.encode({"scale_dtype": "F32"})["weight_scale"]
     kept = to_float32(stored, dtype)
     exact = np.array_equal(to_float32(encode_float(kept, model), model), kept)
-    return {"scale_dtype": model if exact else "F32"}
+    return {"scale_dtype": model if exact else "F32", **_static_input(ctx)}
+
+
+def _static_input(ctx) -> dict:
+    """{"input_scale": multiplier} where the module keeps a static FP8 activation scale
+    (core/activation.py): the source has one, its codes are kept, and its weights are per tensor or per
+    channel (llm-compressor's FP8 scheme; vLLM's block-FP8 kernels quantize activations dynamically per
+    group, so a block module's activations become dynamic and the scale is not written). {}: dynamic."""
+    act = ctx.activation
+    if act is None or act.scheme != "fp8" or ctx.reason or ctx.spec.group_size > 0:
+        return {}
+    return {"input_scale": float(act.as_kind("multiplier"))}
 
 
 def quantize_fp8(w: np.ndarray, dtype: str, block_rows: int, group_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -427,7 +440,9 @@ def retarget_fp8(qt: QuantTensor, spec: QuantSpec, settings: Mapping) -> tuple[Q
     if qt.spec.block_rows == 0 and spec.group_size > 0:
         scales = np.repeat(scales[:, :1], -(-qt.shape[1] // spec.group_size), axis=1)
     stored = to_float32(encode_float(scales, sdt), sdt)
-    return replace(qt, spec=replace(spec, scale_dtype=sdt), scales=np.ascontiguousarray(stored)), scales
+    act = settings.get("input_scale")
+    return replace(qt, spec=replace(spec, scale_dtype=sdt), scales=np.ascontiguousarray(stored),
+                   input_scale=None if act is None else np.float32(act)), scales
 
 
 def encode_fp8(qt: QuantTensor, spec: QuantSpec) -> dict[str, tuple[str, np.ndarray]]:
@@ -440,11 +455,19 @@ def encode_fp8(qt: QuantTensor, spec: QuantSpec) -> dict[str, tuple[str, np.ndar
         blocks = scales[:: spec.block_rows]
         if not np.array_equal(blocks[np.arange(out) // spec.block_rows], scales):
             raise ValueError(f"rows of one {spec.block_rows}-row block hold different scales")
+    elif spec.block_rows == 0:                   # per tensor: one scale, [1]
+        blocks = scales.reshape(-1)[:1]
+        if scales.size and not (scales == blocks[0]).all():
+            raise ValueError("a per-tensor module holds different scales")
     else:
         blocks = scales
     res = {"weight": ("F8_E4M3", np.ascontiguousarray(qt.codes, dtype=np.uint8)),
            "weight_scale": (sdt, encode_float(np.ascontiguousarray(blocks), sdt))}
-    planned = float_leaves(spec, qt.shape, scale_dtype=sdt)
+    input_scale = None if qt.input_scale is None else float(qt.input_scale)
+    if input_scale is not None:
+        idt = input_scale_dtype(input_scale, sdt)
+        res["input_scale"] = (idt, encode_float(np.array([input_scale], dtype=np.float32), idt))
+    planned = float_leaves(spec, qt.shape, scale_dtype=sdt, input_scale=input_scale)
     stored = {leaf: (d, tuple(a.shape)) for leaf, (d, a) in res.items()}
     if stored != planned:
         raise ValueError(f"stores {stored}, but {planned} were planned")
@@ -511,7 +534,9 @@ def plan_nvfp4(ctx) -> dict:
     which share_nvfp4 turns into the global scale of its fused group; a kept module keeps its own
     ({"global_scale": None}: the source's, in retarget_nvfp4)."""
     if not ctx.reason:
-        return {"global_scale": None}
+        act = ctx.activation
+        carried = act is not None and act.scheme == "nvfp4"
+        return {"global_scale": None, **({"input_global_scale": float(act.as_kind("divisor"))} if carried else {})}
     w = ctx.weights()
     absmax = float(_absmax(w, ctx.dtype))
     if not math.isfinite(absmax):           # 448 x 6 / inf: a global scale of 0, every group scale infinite
@@ -625,24 +650,29 @@ def retarget_nvfp4(qt: QuantTensor, spec: QuantSpec, settings: Mapping) -> tuple
     """Kept NVFP4 codes and e4m3 group scales. compressed-tensors' global divisor is kept; ModelOpt's
     multiplier s2 becomes the divisor float32(1 / s2), and the effective scales e4m3 / (1 / s2) are
     reported against ModelOpt's e4m3 * s2 where they differ (exact: None when nothing rounds)."""
+    act = settings.get("input_global_scale")
+    act = None if act is None else np.float32(act)
     if qt.spec.global_scale == "divisor":
-        return replace(qt, spec=spec, product_dtype="bfloat16"), None
+        return replace(qt, spec=spec, product_dtype="bfloat16", input_scale=act), None
     g = np.float32(1) / np.float32(qt.global_scale)
     kept = _nvfp4_tensor(np.asarray(qt.codes), np.asarray(qt.group_scales, dtype=np.float32), g, spec, qt.dtype)
     exact = np.asarray(qt.scales, dtype=np.float32)
-    return kept, (None if np.array_equal(kept.scales, exact) else exact)
+    return replace(kept, input_scale=act), (None if np.array_equal(kept.scales, exact) else exact)
 
 
 def encode_nvfp4(qt: QuantTensor, spec: QuantSpec) -> dict[str, tuple[str, np.ndarray]]:
     """weight_packed (two e2m1 codes a byte, the even element in the low nibble), weight_scale (e4m3
-    bytes) and weight_global_scale (float32 [1]): what nvfp4_leaves predicts."""
+    bytes), weight_global_scale (float32 [1]) and, with a static activation scale (W4A4), its divisor
+    input_global_scale (float32 [1]): what nvfp4_leaves predicts."""
     codes = np.ascontiguousarray(qt.codes, dtype=np.uint8)
     if codes.size and int(codes.max()) > 0xF:
         raise ValueError("e2m1 codes do not fit in 4 bits")
     res = {"weight_packed": ("U8", np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << 4))),
            "weight_scale": ("F8_E4M3", e4m3_bytes(qt.group_scales)),
            "weight_global_scale": ("F32", np.array([qt.global_scale], dtype=np.float32))}
-    planned = nvfp4_leaves(spec, qt.shape)
+    if qt.input_scale is not None:
+        res["input_global_scale"] = ("F32", np.array([qt.input_scale], dtype=np.float32))
+    planned = nvfp4_leaves(spec, qt.shape, input_global_scale=qt.input_scale)
     stored = {leaf: (d, tuple(a.shape)) for leaf, (d, a) in res.items()}
     if stored != planned:
         raise ValueError(f"stores {stored}, but {planned} were planned")

@@ -65,6 +65,7 @@ from __future__ import annotations
 import math
 import struct
 import re
+from dataclasses import replace
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 from ...errors import CorruptCheckpoint, UnsupportedFormat
@@ -539,7 +540,31 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
         modules.append(QuantModule(prefix, "ct", int_scheme(bits or 0), bits or 0, out or 0, inp,
                                    weight_tensors, state, group_size=gs, details=details,
                                    problems=tuple(msg for _, _, msg in ordered)))
-    return modules
+    return [_with_activation(m, tensors, qc) for m in modules]
+
+
+def _static_activation(group: Mapping, prefix: str, tensors: Mapping[str, TensorInfo]) -> dict | None:
+    """The module's static activation scale (core/activation.py) its config group declares and its
+    tensors hold: FP8 static per tensor (``input_scale``, a multiplier) or NVFP4 W4A4
+    (``input_global_scale``, a divisor: 448 * 6 / amax); None for dynamic or unquantized activations, and
+    for schemes no target holds (static int8, zero points)."""
+    acts = group.get("input_activations") if isinstance(group, Mapping) else None
+    if not isinstance(acts, Mapping) or acts.get("type") != "float":
+        return None
+    if acts.get("dynamic") is False and acts.get("num_bits") == 8 and acts.get("strategy") == "tensor":
+        scheme, leaf, kind = "fp8", "input_scale", "multiplier"
+    elif acts.get("dynamic") == "local" and acts.get("num_bits") == 4 and acts.get("group_size") == NVFP4_GROUP:
+        scheme, leaf, kind = "nvfp4", "input_global_scale", "divisor"
+    else:
+        return None
+    name = f"{prefix}.{leaf}"
+    return {"scheme": scheme, "tensor": name, "kind": kind} if name in tensors else None
+
+
+def _with_activation(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> QuantModule:
+    match = scheme_for(qc, m.name) if qc else None
+    act = _static_activation(match[1], m.name, tensors) if match else None
+    return m if act is None else replace(m, details={**m.details, "activation": act})
 
 
 def _block_structure(value) -> list[int] | None:
@@ -714,8 +739,9 @@ def _common(values):
 def settings(qc: Mapping | None, modules, all_modules=(), comp=None, warnings: list | None = None) -> dict:
     """Report fields for a compressed-tensors component (stdlib only), and its lints, appended to
     ``warnings``: a name or ``re:`` target that matches no module of the checkpoint (compressed-tensors
-    warns "Could not match" and quantizes nothing there), an invalid regex, activation or kv-cache
-    quantization whose scales qconv does not carry over."""
+    warns "Could not match" and quantizes nothing there), an invalid regex, kv-cache quantization whose
+    scales qconv does not carry over. Static activation scales are a fact of a group
+    (``activation_scales``), not a warning: convert carries them (core/activation.py)."""
     qc = qc or {}
     warnings = warnings if warnings is not None else []
     ours = [m for m in modules if m.family == "ct"]
@@ -752,12 +778,12 @@ def settings(qc: Mapping | None, modules, all_modules=(), comp=None, warnings: l
                                     f"checkpoint")
             elif not _CLASS_NAME.fullmatch(target) and target not in names:
                 warnings.append(f"config_groups.{gname} target {target!r} names no module of this checkpoint")
-        if isinstance(acts, Mapping) and not acts.get("dynamic"):
-            warnings.append(f"config_groups.{gname} quantizes input activations statically "
-                            f"(input_scale tensors); qconv reads and writes the weights only")
-        elif isinstance(acts, Mapping) and acts.get("dynamic") == "local":
-            warnings.append(f"config_groups.{gname} quantizes input activations with static global scales "
-                            f"(input_global_scale tensors); qconv reads and writes the weights only")
+        members = [m for m in ours if m.details.get("group") == gname]
+        static = [m for m in members if m.details.get("activation")]
+        if static:                # a fact, not a risk: convert carries them where the target holds the scheme
+            leaf = static[0].details["activation"]["tensor"].rsplit(".", 1)[-1]
+            entry["activation_scales"] = (f"{leaf} on {len(static)} of {len(members)} modules (static, "
+                                          f"calibrated; carried by targets that hold them)")
     for target in _targets(qc.get("ignore")):
         if target.startswith("re:"):
             try:
@@ -910,23 +936,46 @@ FP8_TARGET = "compressed-tensors-fp8"
 
 
 def float_leaves(spec: "QuantSpec", shape: tuple[int, int], g_idx: bool = False, *,
-                 scale_dtype: str | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
+                 scale_dtype: str | None = None, input_scale: float | None = None) -> dict[str, tuple[str, tuple[int, ...]]]:
     """What codec.encode_fp8 stores for an e4m3 module (stdlib, predicted before any data): the e4m3
     ``weight`` [out, in] and ``weight_scale`` in ``scale_dtype`` (the plan's: the model dtype, as
-    llm-compressor stores it, or float32 where kept scales would round): strategy "channel" [out, 1]
-    (block_rows 1, one group per row), "block" [ceil(out/B0), ceil(in/B1)] (block_rows B0, group B1;
-    last blocks partial)."""
+    llm-compressor stores it, or float32 where kept scales would round): strategy "tensor" [1]
+    (block_rows 0), "channel" [out, 1] (block_rows 1, one group per row), "block" [ceil(out/B0),
+    ceil(in/B1)] (block_rows B0, group B1; last blocks partial); with a static activation scale (the
+    plan's ``input_scale``, a multiplier) ``input_scale`` [1], in the scale dtype where it holds the
+    value exactly, else float32 (input_scale_dtype)."""
     out, inp = shape
     sdt = scale_dtype or spec.scale_dtype
-    if spec.scheme != "e4m3" or spec.block_rows < 1 or (spec.group_size <= 0 and spec.block_rows != 1):
-        raise ValueError(f"compressed-tensors float-quantized stores e4m3 codes per channel or in 2-D blocks, "
-                         f"not {spec.name} in blocks of {spec.block_rows} x {spec.group_size}")
+    if spec.scheme != "e4m3" or spec.block_rows < 0 or (spec.group_size <= 0 and spec.block_rows > 1) \
+            or (spec.group_size > 0 and spec.block_rows < 1):
+        raise ValueError(f"compressed-tensors float-quantized stores e4m3 codes per tensor, per channel or in 2-D "
+                         f"blocks, not {spec.name} in blocks of {spec.block_rows} x {spec.group_size}")
     if g_idx:
         raise ValueError("compressed-tensors float-quantized stores no g_idx")
     if sdt not in _SCALE_DTYPES:
         raise ValueError(f"scale dtype {sdt!r}: compressed-tensors scales are {', '.join(_SCALE_DTYPES)}")
-    scales = (out, 1) if spec.group_size <= 0 else (-(-out // spec.block_rows), -(-inp // spec.group_size))
-    return {"weight": ("F8_E4M3", (out, inp)), "weight_scale": (sdt, scales)}
+    scales = ((1,) if spec.block_rows == 0 else (out, 1) if spec.group_size <= 0
+              else (-(-out // spec.block_rows), -(-inp // spec.group_size)))
+    leaves = {"weight": ("F8_E4M3", (out, inp)), "weight_scale": (sdt, scales)}
+    if input_scale is not None:
+        leaves["input_scale"] = (input_scale_dtype(input_scale, sdt), (1,))
+    return leaves
+
+
+def input_scale_dtype(value: float, scale_dtype: str) -> str:
+    """A static activation scale's dtype: the weight scales' (llm-compressor stores both in the model
+    dtype) where that holds the value exactly, else float32 (compressed-tensors and vLLM read either)."""
+    f32 = struct.unpack("<f", struct.pack("<f", value))[0]
+    if scale_dtype == "F16":
+        try:
+            exact = struct.unpack("<e", struct.pack("<e", f32))[0] == f32
+        except OverflowError:
+            exact = False
+    elif scale_dtype == "BF16":                       # the float32's low 16 bits are zero
+        exact = struct.unpack("<I", struct.pack("<f", f32))[0] & 0xFFFF == 0
+    else:
+        return "F32"
+    return scale_dtype if exact else "F32"
 
 
 def _float_weights(spec: "QuantSpec") -> dict:
@@ -936,17 +985,20 @@ def _float_weights(spec: "QuantSpec") -> dict:
     block = spec.group_size > 0
     return {"actorder": None, "block_structure": [int(spec.block_rows), int(spec.group_size)] if block else None,
             "dynamic": False, "group_size": None, "num_bits": 8, "observer": None, "observer_kwargs": {},
-            "scale_dtype": None, "strategy": "block" if block else "channel", "symmetric": True,
+            "scale_dtype": None, "strategy": "block" if block else "tensor" if spec.block_rows == 0 else "channel",
+            "symmetric": True,
             "type": "float", "zp_dtype": None}
 
 
-def _float_activations(spec: "QuantSpec") -> dict:
-    """The presets' input activations, quantized to e4m3 at run time (nothing stored): FP8_DYNAMIC per
-    token, FP8_BLOCK per group of 128 inputs (here the weights' column block, 128 in the preset)."""
+def _float_activations(spec: "QuantSpec", static: bool = False) -> dict:
+    """The presets' input activations: quantized to e4m3 at run time (nothing stored), FP8_DYNAMIC per
+    token, FP8_BLOCK per group of 128 inputs (here the weights' column block, 128 in the preset); or
+    ``static``, the FP8 preset's: one calibrated scale per tensor (the module's ``input_scale``)."""
     block = spec.group_size > 0
-    return {"actorder": None, "block_structure": None, "dynamic": True,
-            "group_size": int(spec.group_size) if block else None, "num_bits": 8, "observer": None,
-            "observer_kwargs": {}, "scale_dtype": None, "strategy": "group" if block else "token",
+    return {"actorder": None, "block_structure": None, "dynamic": not static,
+            "group_size": int(spec.group_size) if block and not static else None, "num_bits": 8, "observer": None,
+            "observer_kwargs": {}, "scale_dtype": None,
+            "strategy": "tensor" if static else "group" if block else "token",
             "symmetric": True, "type": "float", "zp_dtype": None}
 
 
@@ -960,12 +1012,13 @@ def float_config(ctx) -> dict:
         spec = ctx.specs[name]
         if spec.scheme != "e4m3":
             raise ValueError(f"{name}: compressed-tensors-fp8 stores e4m3 codes, not {spec.name}")
-        key = (int(spec.block_rows), int(spec.group_size) if spec.group_size > 0 else -1)
+        static = ctx.settings.get(name, {}).get("input_scale") is not None
+        key = (int(spec.block_rows), int(spec.group_size) if spec.group_size > 0 else -1, static)
         by_structure.setdefault(key, []).append(name)
     groups = {}
-    for i, names in enumerate(by_structure.values()):
+    for i, ((_, _, static), names) in enumerate(by_structure.items()):
         spec = ctx.specs[names[0]]
-        groups[f"group_{i}"] = {"format": FLOAT, "input_activations": _float_activations(spec),
+        groups[f"group_{i}"] = {"format": FLOAT, "input_activations": _float_activations(spec, static),
                                 "output_activations": None,
                                 "targets": ["Linear"] if len(by_structure) == 1 else list(names),
                                 "weights": _float_weights(spec)}
@@ -983,34 +1036,50 @@ NVFP4_TARGET = "compressed-tensors-nvfp4"
 # fused_group / FUSED_LAYER_NAMES (core/layout.py): the modules sharing one NVFP4 global scale.
 
 
-def nvfp4_leaves(spec: "QuantSpec", shape: tuple[int, int], g_idx: bool = False,
-                 **settings) -> dict[str, tuple[str, tuple[int, ...]]]:
+def nvfp4_leaves(spec: "QuantSpec", shape: tuple[int, int], g_idx: bool = False, *,
+                 input_global_scale: float | None = None, **settings) -> dict[str, tuple[str, tuple[int, ...]]]:
     """What codec.encode_nvfp4 stores (stdlib, before any data): e2m1 codes two a byte
-    ``weight_packed`` U8 [out, in/2], e4m3 ``weight_scale`` [out, in/16], ``weight_global_scale`` F32 [1]."""
+    ``weight_packed`` U8 [out, in/2], e4m3 ``weight_scale`` [out, in/16], ``weight_global_scale`` F32 [1];
+    where the plan carries a static activation scale (W4A4), ``input_global_scale`` F32 [1]."""
     check_nvfp4_shape(spec, shape, g_idx, "compressed-tensors", "divisor")
     out, inp = shape
-    return {"weight_packed": ("U8", (out, inp // 2)), "weight_scale": ("F8_E4M3", (out, inp // NVFP4_GROUP)),
-            "weight_global_scale": ("F32", (1,))}
+    leaves = {"weight_packed": ("U8", (out, inp // 2)), "weight_scale": ("F8_E4M3", (out, inp // NVFP4_GROUP)),
+              "weight_global_scale": ("F32", (1,))}
+    if input_global_scale is not None:
+        leaves["input_global_scale"] = ("F32", (1,))
+    return leaves
 
 
 def nvfp4_config(ctx) -> dict:
-    """The quantization_config llm-compressor writes for NVFP4A16: one nvfp4-pack-quantized group
-    targeting the class "Linear" (weights only: e2m1, tensor_group of 16, e4m3 scales), ``ignore`` the
-    Linears left in float by exact name. ``observer`` is null, as qconv's other writers write it."""
-    return _fp4_config(ctx, NVFP4_TARGET, NVFP4, "tensor_group", NVFP4_GROUP, "torch.float8_e4m3fn")
+    """The quantization_config llm-compressor writes for NVFP4A16 (one nvfp4-pack-quantized group
+    targeting the class "Linear": e2m1, tensor_group of 16, e4m3 scales, weights only), or for NVFP4
+    (W4A4) where every module carries a static activation scale (input_activations e2m1 in groups of 16,
+    dynamic "local": group scales at run time under the stored input_global_scale); modules that differ
+    in this are two groups targeting their names. ``ignore`` the Linears left in float by exact name.
+    ``observer`` is null, as qconv's other writers write it."""
+    return _fp4_config(ctx, NVFP4_TARGET, NVFP4, "tensor_group", NVFP4_GROUP, "torch.float8_e4m3fn",
+                       static=lambda name: ctx.settings.get(name, {}).get("input_global_scale") is not None)
 
 
-def _fp4_config(ctx, target: str, fmt: str, strategy: str, group_size: int, scale_dtype: str) -> dict:
+def _fp4_config(ctx, target: str, fmt: str, strategy: str, group_size: int, scale_dtype: str,
+                static=lambda name: False) -> dict:
     for name, spec in ctx.specs.items():
         if spec.scheme != "e2m1":
             raise ValueError(f"{name}: {target} stores e2m1 codes, not {spec.name}")
     weights = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": group_size,
                "num_bits": 4, "observer": None, "observer_kwargs": {}, "scale_dtype": scale_dtype,
                "strategy": strategy, "symmetric": True, "type": "float", "zp_dtype": None}
-    group = {"format": fmt, "input_activations": None, "output_activations": None, "targets": ["Linear"],
-             "weights": weights}
+    w4a4 = {**weights, "dynamic": "local"}
+    by_static: dict[bool, list[str]] = {}
+    for name in sorted(ctx.specs, key=natural_key):
+        by_static.setdefault(bool(static(name)), []).append(name)
+    groups = {}
+    for i, (carried, names) in enumerate(sorted(by_static.items(), key=lambda kv: not kv[0]) or [(False, [])]):
+        groups[f"group_{i}"] = {"format": fmt, "input_activations": w4a4 if carried else None,
+                                "output_activations": None,
+                                "targets": ["Linear"] if len(by_static) <= 1 else names, "weights": weights}
     ignore = sorted((n for n in ctx.unquantized if _ignorable(n)), key=lambda n: ("." not in n, natural_key(n)))
-    return {"config_groups": {"group_0": group}, "format": fmt, "global_compression_ratio": None,
+    return {"config_groups": groups, "format": fmt, "global_compression_ratio": None,
             "ignore": ignore, "kv_cache_scheme": None, "quant_method": QUANT_METHOD,
             "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {},
             "version": LAYOUT_VERSION}

@@ -248,6 +248,8 @@ class ModuleContext:
     tensors: Mapping | None = None   # the source component's tensors (name -> TensorInfo), for a plan that
                                      # reads a module's small state (ModelOpt NVFP4: the per-tensor scales)
     source_spec: object = None       # the module's spec in the source (QuantSpec or FloatSpec: its scale divisor)
+    activation: object = None        # the source's static activation scale (core/activation.StaticActivation),
+                                     # which a target that holds its scheme carries (None: none)
 
 
 # convert's options of the integer targets (bits, groups, zero points, scale dtype: Caps negotiates them)
@@ -274,6 +276,9 @@ class Target:
     codec: str                       # module holding encode_for(name, qt, spec, g_idx) -> {leaf: (dtype, array)}
     g_idx: str = "never"             # "always" (GPTQ's writers), "act-order" (only a kept act-order), "never"
     activations: str | None = None   # what its kernels do to activations at run time (convert reports the cost)
+    # what its kernels do to activations for which it stores no static scale (a source's that it cannot
+    # hold: convert's report says so); None: nothing, its kernels multiply 16-bit activations
+    dynamic_activations: str | None = None
     zero_encoding: str | None = None  # what its qzeros hold: "v1" (z - 1), "v2" (z), None (its codec's own)
     packing: Callable | None = None  # ({module: (QuantSpec, (out, in))}) -> name of the target that writes them
     internal: bool = False           # written only when another target's packing picks it; not a --to choice
@@ -429,7 +434,7 @@ def _register_targets() -> None:
                            Caps(frozenset({8}), asym=False, grouped=False, divisor_scale="F32", fallback_bits=8),
                            compressed_tensors.writer_leaves(compressed_tensors.INT),
                            compressed_tensors.writer_config(compressed_tensors.INT), "compressed_tensors.codec",
-                           activations="int8 per token, dynamic"))
+                           activations="int8 per token, dynamic", dynamic_activations="int8 per token, dynamic"))
     # llm-compressor's float-quantized FP8 (FP8_DYNAMIC per channel; FP8_BLOCK with --block-size): its own
     # fit, plan (scales in the model dtype), quantizer (llm-compressor's arithmetic) and retarget (codes
     # kept from e4m3 sources in the same structure); compressed_tensors/.
@@ -437,6 +442,7 @@ def _register_targets() -> None:
                            Caps(frozenset({8}), asym=False, grouped=False, divisor_scale="F32"),
                            compressed_tensors.float_leaves, compressed_tensors.float_config, "compressed_tensors.codec",
                            fit=_lazy("compressed_tensors.codec", "fit_fp8"), options=FP8_OPTIONS,
+                           dynamic_activations="e4m3, dynamic (per token; per group of a block's width)",
                            plan=_lazy("compressed_tensors.codec", "plan_fp8"),
                            requantize=_lazy("compressed_tensors.codec", "requantize_fp8"), requantize_rows=True,
                            retarget=_lazy("compressed_tensors.codec", "retarget_fp8")))
@@ -480,12 +486,14 @@ def _register_targets() -> None:
                                                 scale_dtypes=frozenset({"F32"}), divisor_scale="F32"),
                            bnb.int8_leaves, bnb.config_writer(False), "bnb.codec",
                            fit=_lazy("bnb.codec", "fit_int8"), retarget=_lazy("bnb.codec", "retarget_int8"),
+                           dynamic_activations="int8 per token, dynamic (LLM.int8: outlier columns in 16-bit)",
                            options=frozenset({"bits"})))
     # Fine-grained FP8 (transformers / DeepSeek): e4m3 in 2-D blocks; its own fit (--block-size), quantizer
     # (Fp8Quantize's arithmetic) and retarget (codes kept from e4m3 sources in the same blocks); fp8/.
     register_target(Target("fp8", "fp8", Caps(frozenset({8}), asym=False, per_row=False,
                                               scale_dtypes=frozenset({"F32"}), divisor_scale="F32"),
                            fp8.writer_leaves, fp8.writer_config, "fp8.codec", fit=_lazy("fp8.codec", "fit"),
+                           dynamic_activations="e4m3 per group of 128, dynamic",
                            options=FP8_OPTIONS,
                            requantize=_lazy("fp8.codec", "requantize"), requantize_rows=True, retarget=_lazy("fp8.codec", "retarget")))
     for name, quant_type in bnb.FOUR_BIT_TARGETS.items():

@@ -90,7 +90,6 @@ def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, 
 # parameter. No data-free conversion can make that scale, so the only sources are NVFP4 checkpoints that
 # carry one: ModelOpt's own (input_scale) and compressed-tensors W4A4 (input_global_scale, a divisor).
 
-_ACTIVATION_SCALE = {"modelopt": ("input_scale", "multiplier"), "ct": ("input_global_scale", "divisor")}
 _WEIGHT_GLOBAL = {"modelopt": "weight_scale_2", "ct": "weight_global_scale"}
 _OTHER_TARGET = "compressed-tensors-nvfp4"
 
@@ -142,18 +141,19 @@ def plan_nvfp4(ctx) -> dict:
 
     m, tensors = ctx.module, ctx.tensors
     weight = tensors[m.weight_tensors[0]]
-    leaf, kind = _ACTIVATION_SCALE.get(m.family, (None, None))
-    if ctx.reason or leaf is None or f"{m.name}.{leaf}" not in tensors:
+    act = ctx.activation if ctx.activation is not None and ctx.activation.scheme == "nvfp4" else None
+    if ctx.reason or act is None or m.family not in _WEIGHT_GLOBAL:
         method = "" if m.family == "float" else family(m.family).method
         what = (f"an unquantized {m.scheme} model" if m.family == "float" else
                 f"{method} {m.scheme}, not NVFP4" if ctx.reason else
-                f"{method} NVFP4 with no static activation scale (weights only: no {leaf or 'input_scale'})")
+                f"{method} NVFP4 with no static activation scale (weights only: no input scale)")
         raise UnsupportedFormat(f"is {what}: {NVFP4_TARGET} is ModelOpt's W4A4 NVFP4, whose loaders (vLLM's "
                                 f"ModelOptNvFp4LinearMethod) quantize activations with a calibrated static "
                                 f"input_scale, which a data-free conversion cannot make; use --to {_OTHER_TARGET} "
                                 f"(NVFP4A16, weights only)", file=weight.file)
+    kind = m.details.get("global_scale", "multiplier")          # layout.QuantModule: the two-level convention
     return {"weight_scale_2": float(_source_scalar(tensors, f"{m.name}.{_WEIGHT_GLOBAL[m.family]}", kind)),
-            "input_scale": float(_source_scalar(tensors, f"{m.name}.{leaf}", kind))}
+            "input_scale": float(act.as_kind("multiplier"))}
 
 
 def share_nvfp4(settings: Mapping[str, dict]) -> dict[str, dict]:

@@ -200,6 +200,9 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
                    "unsupported": tuple(unsupported)}
         if scheme == "e2m1":
             details["global_scale"] = "multiplier"
+        if details["static_activations"]:       # core/activation.py: amax / 448 (FP8), amax / (448 * 6) (NVFP4)
+            details["activation"] = {"scheme": "fp8" if algo == "FP8" else "nvfp4",
+                                     "tensor": prefix + ".input_scale", "kind": "multiplier"}
         modules.append(QuantModule(prefix, "modelopt", scheme, bits, out, inp, (name,), state,
                                    group_size=group if scheme == "e2m1" and group else -1, details=details,
                                    problems=tuple(unsupported + problems)))

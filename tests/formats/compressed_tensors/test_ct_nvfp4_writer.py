@@ -69,8 +69,8 @@ def test_fused_modules_share_one_global_scale(tmp_path):
 
 
 def test_nvfp4_sources_keep_their_bytes(tmp_path):
-    """compressed-tensors NVFP4A16 -> here is the same file; NVFP4 (W4A4) keeps every weight tensor and
-    drops its calibrated activation global scales, saying so."""
+    """compressed-tensors NVFP4A16 -> here is the same file; NVFP4 (W4A4) too: every weight tensor and its
+    calibrated activation global scales, and llm-compressor's W4A4 input_activations in the config."""
     out = tmp_path / "a16"
     comp = _convert(CHECKPOINTS / "llama-ct-nvfp4a16", out)
     assert comp["codes_kept"] == 14 and comp["requantized"] == 0 and comp["scales_rounded"] == 0
@@ -78,11 +78,12 @@ def test_nvfp4_sources_keep_their_bytes(tmp_path):
     assert _qc(out) == _qc(CHECKPOINTS / "llama-ct-nvfp4a16")
     out = tmp_path / "a4"
     comp = _convert(CHECKPOINTS / "llama-ct-nvfp4", out)
-    assert comp["codes_kept"] == 14
-    _same_files(out, CHECKPOINTS / "llama-ct-nvfp4", drop=("input_global_scale",))
-    (warning,) = comp["warnings"]
-    assert warning.startswith("14 static activation scales are not carried (model.layers.0.mlp.down_proj."
-                              "input_global_scale") and "compressed-tensors-nvfp4 stores none" in warning
+    assert comp["codes_kept"] == 14 and comp["warnings"] == []
+    assert comp["static_activation_scales"] == {"carried": 14, "dropped": 0}
+    _same_files(out, CHECKPOINTS / "llama-ct-nvfp4")
+    ours, theirs = _qc(out)["config_groups"]["group_0"], _qc(CHECKPOINTS / "llama-ct-nvfp4")["config_groups"]["group_0"]
+    for key in ("input_activations", "weights"):        # observers: null in qconv's writers (nothing reads them)
+        assert {**ours[key], "observer": None} == {**theirs[key], "observer": None}
 
 
 def test_modelopt_nvfp4_keeps_its_codes(tmp_path):

@@ -55,9 +55,12 @@ def _settings(tgt, m, spec, qt, g_idx, request=None, reason=None, make=None, ten
         return {}
     from qconv.convert.convert import Options
 
+    from qconv.formats.core.activation import static_activation
+
     make = make or (lambda trial: _kept(tgt, qt, spec, trial))
     settings = tgt.plan(ModuleContext(m, spec, reason, request or Options(tgt.name), qt.dtype,
-                                      lambda trial: tgt.encode(make(trial), spec, g_idx), qt.dequantize, tensors))
+                                      lambda trial: tgt.encode(make(trial), spec, g_idx), qt.dequantize, tensors,
+                                      activation=static_activation(m, tensors or {})))
     return tgt.share({m.name: settings})[m.name] if tgt.share is not None else settings
 
 
