@@ -31,7 +31,7 @@ from ..errors import CorruptCheckpoint, UnsupportedFormat, UsageError
 from ..formats.gptq import codec as gptq_codec
 from ..formats.gptq.header import block_prefix
 from ..formats.storage.checkpoint import Component
-from ..formats.core.registry import AUTO_ROUND_AWQ_TARGET, ModuleContext, WriteContext, family as registered_family, target as registered_target, targets as registered_targets
+from ..formats.core.registry import ModuleContext, WriteContext, family as registered_family, target as registered_target, targets as registered_targets
 from ..formats.core.detect import METHOD_NAMES, Detection, without_quantization
 from ..formats.bnb.codec import STORAGE_CODES, scb_from_scales as _scb_from_scales  # noqa: F401 (tests import it here)
 from ..formats.core.ir import FloatSpec, FloatWeight, QuantSpec, QuantTensor, stack_rows
@@ -247,9 +247,7 @@ def _check_scales(m: QuantModule, comp: Component, source, qt: QuantTensor, spec
     3e-9 as float16), which zeroes its whole group. Never an exit 0 with a different model."""
     scales = np.asarray(qt.scales, np.float32)
     stored = FLOAT_NAMES.get(spec.scale_dtype, "the target's dtype")
-    way_out = ("; auto_round:auto_awq (what --to auto-round writes for this source) stores float16 scales only: "
-               "use --to gptq-v2, or --to compressed-tensors --scale-dtype bfloat16") \
-        if opts.to == AUTO_ROUND_AWQ_TARGET else "; use --scale-dtype bfloat16 or float32"
+    way_out = "; " + (registered_target(opts.to).scale_hint or "use --scale-dtype bfloat16 or float32")
     bad = ~np.isfinite(scales)
     if bad.any():
         finite_source = getattr(source, "scales", None)

@@ -42,8 +42,9 @@ import re
 from typing import Mapping
 
 from ...errors import CorruptCheckpoint, UnsupportedFormat
+from ..core.layout import QuantModule, common, int_scheme, natural_key, not_converted_by
 from ..gptq import header as gptq
-from ..core.layout import QuantModule, common, int_scheme, natural_key
+from ..gptq.header import AUTO_ROUND_AWQ, is_auto_round
 from ..storage.safetensors_header import DTYPES, TensorInfo
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -53,7 +54,6 @@ PACK = 32 // BITS                     # codes per int32 word
 STATE_LEAVES = ("qzeros", "scales")
 SCALE_DTYPES = ("F16", "BF16")
 EXTENDED_BITS = (5, 6, 7)             # auto-round 0.16's AWQ bit stream (export_to_awq/utils.py)
-AUTO_ROUND_AWQ = "auto_round:auto_awq"
 LAYOUT = "gemm"
 # Other AWQ layouts under the same tensor names (or a config naming them): not GEMM's.
 OTHER_LAYOUTS = {
@@ -71,10 +71,6 @@ OTHER_LAYOUTS = {
 
 def _lower(value):
     return value.lower() if isinstance(value, str) else value
-
-
-def is_auto_round(qc: Mapping) -> bool:
-    return qc.get("quant_method") in ("auto-round", "intel/auto-round")
 
 
 def parse_config(qc: Mapping | None) -> dict:
@@ -146,21 +142,6 @@ def parse_config(qc: Mapping | None) -> dict:
     out["unsupported"] = unsupported
     out["problems"] = problems
     return out
-
-
-def not_converted_by(name: str, patterns) -> str | None:
-    """The modules_to_not_convert entry that keeps ``name`` unquantized in some loader, if any: vLLM
-    matches by substring (``quant_utils.is_layer_skipped``); transformers by prefix up to a module
-    boundary, by regex with that boundary, or by suffix (``quantizers_utils.should_convert_module``)."""
-    for key in patterns:
-        if key and key in name:
-            return key
-        try:
-            if re.match(rf"(?:{key})(?:(?<=\.)|(?=\.|$))", name):
-                return key
-        except re.error:
-            pass
-    return None
 
 
 def _module_settings(qc: Mapping, settings: dict, prefix: str) -> tuple[dict | None, str | None]:

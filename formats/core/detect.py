@@ -6,17 +6,46 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..bnb import header as bnb
+from collections.abc import Mapping as MappingABC, Set
+
 from ..storage.checkpoint import Component
+from ..storage.safetensors_header import TensorInfo
 from .layout import QuantModule, natural_key
 from .registry import decoded_config_methods, dialects, families, family
-from ..storage.safetensors_header import TensorInfo
 
-# Report names of families and config methods (a config method that is not a family's name, such as
-# auto-round, names itself).
-METHOD_NAMES = {**{f.name: f.method for f in families()}, "auto-round": "auto-round",
-                "compressed-tensors": "compressed-tensors", None: "unquantized"}
-DECODED_METHODS = decoded_config_methods()   # config methods qconv reads
+
+class _MethodNames(MappingABC):
+    """Report names of families and config methods (a config method that is not a family's name, such as
+    auto-round, names itself), read from the registry when asked: the families register themselves."""
+    _OWN = {"auto-round": "auto-round", "compressed-tensors": "compressed-tensors", None: "unquantized"}
+
+    def _table(self) -> dict:
+        return {**{f.name: f.method for f in families()}, **self._OWN}
+
+    def __getitem__(self, key):
+        return self._table()[key]
+
+    def __iter__(self):
+        return iter(self._table())
+
+    def __len__(self):
+        return len(self._table())
+
+
+class _DecodedMethods(Set):
+    """Config methods qconv reads (registry.decoded_config_methods), when asked."""
+    def __contains__(self, item):
+        return item in decoded_config_methods()
+
+    def __iter__(self):
+        return iter(decoded_config_methods())
+
+    def __len__(self):
+        return len(decoded_config_methods())
+
+
+METHOD_NAMES = _MethodNames()
+DECODED_METHODS = _DecodedMethods()
 
 # Leaves only quantization writes: packed codes and their state, in bitsandbytes, GPTQ / AWQ,
 # compressed-tensors and fp8 checkpoints. One that no decoded module claims is data no writer can
@@ -53,17 +82,14 @@ def config_method(qc: Mapping | None) -> str | None:
     if not qc:
         return None
     method = qc.get("quant_method")
-    if method == "bitsandbytes":
-        b = bnb.parse_config(qc)
-        return "bnb4" if b["load_in_4bit"] else "bnb8" if b["load_in_8bit"] else "bitsandbytes"
-    if method in ("auto-round", "intel/auto-round"):
-        return "auto-round"
-    if method is None:                           # a bare config a dialect recognises (ModelOpt's, MLX's)
-        for dialect in dialects():
+    for dialect in dialects():                   # a dialect's own spelling (bitsandbytes: bnb8 / bnb4)
+        resolved = dialect.resolve(method, qc) if dialect.resolve is not None else None
+        if resolved is not None:
+            return resolved
+    if method is None:                           # a bare config a dialect recognises (ModelOpt's, MLX's; a
+        for dialect in sorted(dialects(), key=lambda d: d.bare_last):   # loose check such as GPTQ's last)
             if dialect.bare is not None and dialect.bare(qc):
                 return dialect.name
-    if method is None and "bits" in qc:          # a bare AutoGPTQ quantize_config.json
-        return "gptq"
     return str(method)
 
 

@@ -134,3 +134,18 @@ def common(values):
     """The one value all share (None ignored), else the sorted distinct values, else None."""
     values = {v for v in values if v is not None}
     return values.pop() if len(values) == 1 else (sorted(values) if values else None)
+
+
+def not_converted_by(name: str, patterns) -> str | None:
+    """The modules_to_not_convert entry that keeps ``name`` unquantized in some loader, if any: vLLM
+    matches by substring (``quant_utils.is_layer_skipped``); transformers by prefix up to a module
+    boundary, by regex with that boundary, or by suffix (``quantizers_utils.should_convert_module``)."""
+    for key in patterns:
+        if key and key in name:
+            return key
+        try:
+            if re.match(rf"(?:{key})(?:(?<=\.)|(?=\.|$))", name):
+                return key
+        except re.error:
+            pass
+    return None

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import CorruptCheckpoint, UnsupportedFormat
-from ..bnb.header import FLOAT_NAMES
 from ..storage.checkpoint import Component
+from ..storage.tensor_io import FLOAT_CODES
 from . import structure
 from .detect import DECODED_METHODS, Detection, detect
 from .ir import QuantTensor, nonfinite_weight
@@ -109,10 +109,10 @@ def model_dtype(comp: Component, det: Detection) -> str:
     cfg = comp.config or {}
     for key in ("dtype", "torch_dtype"):
         value = str(cfg.get(key, "")).replace("torch.", "")
-        if value in FLOAT_NAMES:
+        if value in FLOAT_CODES:
             return value
     for m in det.modules:
-        if m.details.get("dtype") in FLOAT_NAMES:
+        if m.details.get("dtype") in FLOAT_CODES:
             return m.details["dtype"]
     return "float16"
 

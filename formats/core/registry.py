@@ -1,6 +1,8 @@
-"""The format families qconv reads, declared in one place: a new format is one entry here plus its own
-modules (a header module, stdlib only, and a codec, numpy), never a branch in detect, reader,
-inspection, validation or convert.
+"""The types a format family declares itself with, and the lookup: core holds these and imports no
+family. Each family's package (formats/<family>/__init__.py) registers its Family, Dialect and Target
+entries; qconv.formats imports every family folder it holds, so a new format is one folder (its
+__init__ with its declarations, a header module, stdlib only, and a codec, numpy), never a branch in
+detect, reader, inspection, validation or convert.
 
 A family says:
 * which quantization configs it reads (``claims``: a config method, and for auto-round the packing);
@@ -81,6 +83,10 @@ class Dialect:
     # (doc) -> whether a stand-alone config without quant_method is this dialect's (ModelOpt's
     # hf_quant_config.json); detect.config_method then names the method config_methods' first
     bare: Callable | None = None
+    bare_last: bool = False          # its bare check is tried after every other dialect's (a loose one)
+    # (quant_method, qc) -> the config method a config of this dialect names (bitsandbytes: bnb8 or bnb4
+    # from its load_in_* flags; auto-round: either spelling of its quant_method), None: not this dialect's
+    resolve: Callable | None = None
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -88,6 +94,8 @@ _DIALECTS: dict[str, Dialect] = {}
 
 
 def register(entry):
+    """A family or dialect declares itself (from its package's __init__, which qconv.formats imports for
+    every folder it holds: core imports no family)."""
     (_FAMILIES if isinstance(entry, Family) else _DIALECTS)[entry.name] = entry
     return entry
 
@@ -120,79 +128,6 @@ def decoded_config_methods() -> frozenset:
     return frozenset({None}).union(*(f.config_methods for f in _FAMILIES.values()))
 
 
-def _register_builtin() -> None:
-    from ..awq import header as awq
-    from ..bnb import header as bnb
-    from ..compressed_tensors import header as compressed_tensors
-    from ..fp8 import header as fp8
-    from ..gguf import header as gguf
-    from ..gptq import header as gptq
-    from ..mlx import header as mlx
-    from ..modelopt import header as modelopt
-    from ..mxfp4 import header as mxfp4
-
-    def awq_packed(qc) -> bool:                 # auto-round's AWQ packing (auto_round:auto_awq)
-        return bool(qc) and awq.is_auto_round(qc) and gptq.normalise_packing_format(qc) == awq.AUTO_ROUND_AWQ
-
-    def lazy_check(codec: str, fn: str):
-        def check(m, tensors, qc):
-            getattr(importlib.import_module(f"{_FORMATS}.{codec}"), fn)(m, tensors, qc)
-        return check
-
-    always = lambda method, qc: True          # noqa: E731 - bitsandbytes' tensor names are its own
-    register(Family("bnb8", "bitsandbytes LLM.int8", frozenset({"bnb8", "bitsandbytes"}), always,
-                    lambda tensors, qc: bnb.find_int8_modules(tensors),
-                    lazy_check("bnb.codec", "check_int8_module"), "bnb.codec", bnb.int8_settings,
-                    "read_int8_module", needs_config=False, rows=1, scale_tensor=".SCB"))
-    register(Family("bnb4", "bitsandbytes 4-bit", frozenset({"bnb4", "bitsandbytes"}), always,
-                    lambda tensors, qc: bnb.find_4bit_modules(tensors),
-                    lazy_check("bnb.codec", "check_4bit_module"), "bnb.codec", bnb.four_bit_settings,
-                    "read_4bit_module", needs_config=False, rows="four_bit_row_step"))
-    register(Family("gptq", "GPTQ", frozenset({"gptq", "auto-round"}),
-                    lambda method, qc: method in (None, "gptq") or (method == "auto-round"
-                                                                    and not awq_packed(qc)),
-                    gptq.find_in_checkpoint, lazy_check("gptq.codec", "check"), "gptq.codec",
-                    gptq.settings, scale_tensor=".scales", symmetric=lambda m, qc: bool((gptq.per_module_settings(qc, m.name) or {}).get(
-                        "sym", True)) if qc else True))
-    register(Family("awq", "AWQ", frozenset({"awq", "auto-round"}),
-                    lambda method, qc: method == "awq" or (method == "auto-round" and awq_packed(qc)),
-                    awq.find_modules, awq.check, "awq.codec", awq.settings, scale_tensor=".scales",
-                    symmetric=lambda m, qc: not m.details.get("zero_point", True)))
-    register(Family("ct", "compressed-tensors", frozenset({"compressed-tensors"}),
-                    lambda method, qc: method == "compressed-tensors",
-                    compressed_tensors.find_modules, compressed_tensors.check, "compressed_tensors.codec",
-                    compressed_tensors.settings, scale_tensor=".weight_scale",
-                    symmetric=lambda m, qc: bool(m.details.get("symmetric", True))))
-    register(Family("fp8", "fine-grained FP8", frozenset({"fp8"}), lambda method, qc: method == "fp8",
-                    fp8.find_modules, fp8.check, "fp8.codec", fp8.settings, scale_tensor=".weight_scale_inv",
-                    symmetric=lambda m, qc: True, rows=1))
-    register(Family("modelopt", "ModelOpt", frozenset({"modelopt"}), lambda method, qc: method == "modelopt",
-                    modelopt.find_modules, modelopt.check, "modelopt.codec", modelopt.settings,
-                    scale_tensor=".weight_scale", symmetric=lambda m, qc: True, rows=1))
-    # gpt-oss MXFP4: fused 3-D experts (*_blocks / *_scales), one module per fused tensor; mxfp4/.
-    register(Family("mxfp4", "gpt-oss MXFP4", frozenset({"mxfp4"}), lambda method, qc: method == "mxfp4",
-                    mxfp4.find_modules, mxfp4.check, "mxfp4.codec", mxfp4.settings, scale_tensor="_scales",
-                    symmetric=lambda m, qc: True, rows=1))
-    # llama.cpp's GGUF opened as a source (gguf/source.py): Q8_0 / Q4_0 / Q5_0 / MXFP4 block tensors; a
-    # permuted llama q / k is read whole (codec.row_step)
-    register(Family("gguf", "GGUF", frozenset({"gguf"}), lambda method, qc: method == "gguf", gguf.find_modules,
-                    gguf.check, "gguf.codec", gguf.settings, symmetric=lambda m, qc: True, rows="row_step"))
-    # Apple MLX (mlx-lm): affine codes, scales and biases; its config has no quant_method (Dialect bare)
-    register(Family("mlx", "MLX", frozenset({"mlx"}), lambda method, qc: method == "mlx", mlx.find_modules,
-                    mlx.check, "mlx.codec", mlx.settings, rows=1, scale_tensor=".scales", source_spec="source_spec",
-                    symmetric=lambda m, qc: False))
-    register(Dialect("bitsandbytes", frozenset({"bnb8", "bnb4", "bitsandbytes"}), bnb.lint))
-    register(Dialect("gptq", frozenset({"gptq", "auto-round"}), gptq.lint))
-    register(Dialect("awq", frozenset({"awq"}), awq.lint))
-    register(Dialect("compressed-tensors", frozenset({"compressed-tensors"}), compressed_tensors.lint))
-    register(Dialect("fp8", frozenset({"fp8"}), fp8.lint, refuse=fp8.refuse))
-    register(Dialect("modelopt", frozenset({"modelopt"}), modelopt.lint, bare=modelopt.is_side_config))
-    register(Dialect("mxfp4", frozenset({"mxfp4"}), mxfp4.lint, refuse=mxfp4.refuse))
-    register(Dialect("gguf", frozenset({"gguf"}), gguf.lint))
-    register(Dialect("mlx", frozenset({"mlx"}), mlx.lint, refuse=mlx.refuse, bare=mlx.is_config))
-
-
-_register_builtin()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,7 +201,7 @@ class Target:
     requantizer) or kept and re-expressed (retarget, else scales / divisor in spec.scale_dtype), then
     encode. The hooks below default to None, which is what the integer formats need; a format with its
     own options, code books or header state that depends on the data (bitsandbytes) sets them. Hooks
-    that need numpy are given lazily (_lazy), so importing the registry stays stdlib only."""
+    that need numpy are given lazily (registry.lazy), so importing the registry stays stdlib only."""
     name: str                        # the --to name
     family: str                      # the family that reads what it writes
     caps: Caps
@@ -279,6 +214,9 @@ class Target:
     # what its kernels do to activations for which it stores no static scale (a source's that it cannot
     # hold: convert's report says so); None: nothing, its kernels multiply 16-bit activations
     dynamic_activations: str | None = None
+    # what a user does where a scale does not fit the dtype it would be stored in (convert's refusal ends
+    # with it); None: the --scale-dtype choice
+    scale_hint: str | None = None
     zero_encoding: str | None = None  # what its qzeros hold: "v1" (z - 1), "v2" (z), None (its codec's own)
     packing: Callable | None = None  # ({module: (QuantSpec, (out, in))}) -> name of the target that writes them
     internal: bool = False           # written only when another target's packing picks it; not a --to choice
@@ -340,9 +278,10 @@ class Target:
         return self if name is None or name == self.name else target(name)
 
 
-def _lazy(module: str, fn: str, *bound):
+def lazy(module: str, fn: str, *bound):
     """A hook that imports module (relative to qconv.formats) on its first call and calls fn with the
-    bound arguments first: numpy-side hooks without numpy at registration."""
+    bound arguments first: numpy-side hooks without numpy at registration (a family's codec, named relative to
+    qconv.formats: "bnb.codec")."""
     def hook(*args, **kwargs):
         return getattr(importlib.import_module(f"{_FORMATS}.{module}"), fn)(*bound, *args, **kwargs)
     hook.__name__ = hook.__qualname__ = f"{module}.{fn}"
@@ -353,6 +292,7 @@ _TARGETS: dict[str, Target] = {}
 
 
 def register_target(entry: Target) -> Target:
+    """A writer declares itself (from its family's package __init__, as register)."""
     _TARGETS[entry.name] = entry
     return entry
 
@@ -363,154 +303,3 @@ def target(name: str) -> Target:
 
 def targets() -> tuple[Target, ...]:
     return tuple(_TARGETS.values())
-
-
-AUTO_ROUND_AWQ_TARGET = "auto-round:auto_awq"
-AUTO_ROUND_PLAIN_TARGET = "auto-round:plain"
-
-
-def auto_round_packing(modules: Mapping) -> str | None:
-    """The packing `--to auto-round` writes, as auto-round's own ``format="auto_round"`` export picks it
-    (auto_round/export/formats/backends/autoround.py, ``AutoRoundFormat.__init__``):
-
-    * every module symmetric: ``auto_round:auto_gptq`` (None: the auto-round target itself);
-    * some module asymmetric, and every module 4-bit in whole groups that AWQ GEMM holds (in a multiple
-      of the group size, out of 8): ``auto_round:auto_awq`` (AWQ GEMM tensors, zero points as they are;
-      symmetric modules among them keep their zero points 2^(b-1) and an extra_config ``sym: true``);
-    * some module asymmetric otherwise (another width, one group per row): plain ``auto_round`` (GPTQ
-      layout, zero points as they are, no g_idx), which auto-round writes for asymmetric schemes that
-      are not all 4-bit and qconv's GPTQ reader reads back (FORMATS.md §4.2).
-
-    auto-round's auto_gptq stores z - 1 clamped at 0 and its loaders read asymmetric auto_gptq as
-    symmetric, so an asymmetric module is never written there."""
-    if all(spec.symmetric for spec, _ in modules.values()):
-        return None
-    awq_target = target(AUTO_ROUND_AWQ_TARGET)
-
-    def awq_holds(spec, shape) -> bool:
-        if spec.bits not in awq_target.caps.bits:
-            return False
-        try:
-            awq_target.leaves(spec, shape, False)
-        except ValueError:
-            return False
-        return True
-
-    if all(awq_holds(spec, shape) for spec, shape in modules.values()):
-        return AUTO_ROUND_AWQ_TARGET
-    return AUTO_ROUND_PLAIN_TARGET
-
-
-def _register_targets() -> None:
-    from ..awq import header as awq
-    from ..bnb import header as bnb
-    from ..compressed_tensors import header as compressed_tensors
-    from ..fp8 import header as fp8
-    from ..gptq import header as gptq
-    from ..mlx import header as mlx
-    from ..modelopt import header as modelopt
-
-    int_2_8 = frozenset(range(2, 9))
-    for name in ("gptq", "gptq-v2"):
-        register_target(Target(name, "gptq", Caps(int_2_8, act_order=True), gptq.leaves, gptq.config_writer(name),
-                               "gptq.codec", g_idx="always", zero_encoding="v2" if name == "gptq-v2" else "v1"))
-    # auto-round: one --to name, three packings, picked from the negotiated specs as auto-round's own
-    # export picks them (auto_round_packing). auto_gptq (z - 1) for symmetric modules, as before;
-    # the asymmetric packings store zero points as they are.
-    register_target(Target("auto-round", "gptq", Caps(int_2_8), gptq.leaves,
-                           gptq.config_writer("auto-round", gptq.AUTO_ROUND_GPTQ), "gptq.codec",
-                           zero_encoding="v1", packing=auto_round_packing))
-    register_target(Target(AUTO_ROUND_AWQ_TARGET, "awq",
-                           Caps(frozenset({4}), per_row=False, scale_dtypes=frozenset({"F16"})), awq.writer_leaves,
-                           gptq.config_writer(AUTO_ROUND_AWQ_TARGET, awq.AUTO_ROUND_AWQ), "awq.codec",
-                           internal=True))
-    register_target(Target(AUTO_ROUND_PLAIN_TARGET, "gptq", Caps(int_2_8), gptq.leaves,
-                           gptq.config_writer(AUTO_ROUND_PLAIN_TARGET, gptq.AUTO_ROUND_PLAIN), "gptq.codec",
-                           zero_encoding="v2", internal=True))
-    register_target(Target("compressed-tensors", "ct", Caps(int_2_8, divisor_scale="F32"),
-                           compressed_tensors.writer_leaves(compressed_tensors.PACKED),
-                           compressed_tensors.writer_config(compressed_tensors.PACKED), "compressed_tensors.codec"))
-    register_target(Target("compressed-tensors-w8a8", "ct",
-                           Caps(frozenset({8}), asym=False, grouped=False, divisor_scale="F32", fallback_bits=8),
-                           compressed_tensors.writer_leaves(compressed_tensors.INT),
-                           compressed_tensors.writer_config(compressed_tensors.INT), "compressed_tensors.codec",
-                           activations="int8 per token, dynamic", dynamic_activations="int8 per token, dynamic"))
-    # llm-compressor's float-quantized FP8 (FP8_DYNAMIC per channel; FP8_BLOCK with --block-size): its own
-    # fit, plan (scales in the model dtype), quantizer (llm-compressor's arithmetic) and retarget (codes
-    # kept from e4m3 sources in the same structure); compressed_tensors/.
-    register_target(Target(compressed_tensors.FP8_TARGET, "ct",
-                           Caps(frozenset({8}), asym=False, grouped=False, divisor_scale="F32"),
-                           compressed_tensors.float_leaves, compressed_tensors.float_config, "compressed_tensors.codec",
-                           fit=_lazy("compressed_tensors.codec", "fit_fp8"), options=FP8_OPTIONS,
-                           dynamic_activations="e4m3, dynamic (per token; per group of a block's width)",
-                           plan=_lazy("compressed_tensors.codec", "plan_fp8"),
-                           requantize=_lazy("compressed_tensors.codec", "requantize_fp8"), requantize_rows=True,
-                           retarget=_lazy("compressed_tensors.codec", "retarget_fp8")))
-    # llm-compressor's NVFP4A16 (nvfp4-pack-quantized): its own fit, plan and share (one global scale per
-    # fused q/k/v and gate/up group, from the data), quantizer (llm-compressor's arithmetic) and retarget
-    # (codes kept from NVFP4 in either dialect); compressed_tensors/.
-    register_target(Target(compressed_tensors.NVFP4_TARGET, "ct",
-                           Caps(frozenset({4}), asym=False, per_row=False, scale_dtypes=frozenset({"F8_E4M3"})),
-                           compressed_tensors.nvfp4_leaves, compressed_tensors.nvfp4_config, "compressed_tensors.codec",
-                           fit=_lazy("compressed_tensors.codec", "fit_nvfp4"), options=frozenset(),
-                           plan=_lazy("compressed_tensors.codec", "plan_nvfp4"),
-                           share=_lazy("compressed_tensors.codec", "share_nvfp4"),
-                           requantize=_lazy("compressed_tensors.codec", "requantize_nvfp4"), requantize_rows=True,
-                           retarget=_lazy("compressed_tensors.codec", "retarget_nvfp4")))
-    # llm-compressor's MXFP4A16 (mxfp4-pack-quantized): its own fit, quantizer (llm-compressor's
-    # arithmetic) and retarget (codes and e8m0 scales kept from MXFP4); compressed_tensors/.
-    register_target(Target(compressed_tensors.MXFP4_TARGET, "ct",
-                           Caps(frozenset({4}), asym=False, per_row=False, scale_dtypes=frozenset({"U8"})),
-                           compressed_tensors.mxfp4_leaves, compressed_tensors.mxfp4_config, "compressed_tensors.codec",
-                           fit=_lazy("compressed_tensors.codec", "fit_mxfp4"), options=frozenset(),
-                           requantize=_lazy("compressed_tensors.codec", "requantize_mxfp4"), requantize_rows=True,
-                           retarget=_lazy("compressed_tensors.codec", "retarget_mxfp4")))
-    # ModelOpt NVFP4 (quant_algo NVFP4, W4A4): codes, e4m3 scales, weight_scale_2 and the calibrated
-    # input_scale kept from NVFP4 sources that carry a static activation scale (ModelOpt's own, or
-    # compressed-tensors W4A4's divisors inverted); every other source is refused in plan, since no data-free
-    # path makes an input_scale. Its own fit, plan, share (one weight_scale_2 / input_scale per fused
-    # q/k/v and gate/up group) and retarget; modelopt/.
-    register_target(Target(modelopt.NVFP4_TARGET, "modelopt",
-                           Caps(frozenset({4}), asym=False, per_row=False, scale_dtypes=frozenset({"F8_E4M3"})),
-                           modelopt.nvfp4_leaves, modelopt.nvfp4_config, "modelopt.codec",
-                           fit=_lazy("modelopt.codec", "fit_nvfp4"), plan=_lazy("modelopt.codec", "plan_nvfp4"),
-                           options=frozenset(),
-                           share=_lazy("modelopt.codec", "share_nvfp4"),
-                           retarget=_lazy("modelopt.codec", "retarget_nvfp4")))
-    register_target(Target("awq", "awq", Caps(frozenset({4}), per_row=False, scale_dtypes=frozenset({"F16", "BF16"}),
-                                              fallback_bits=4, one_group_size=True),
-                           awq.writer_leaves, awq.writer_config, "awq.codec"))
-    # bitsandbytes: LLM.int8 (codes kept from 8-bit symmetric per-row sources, SCB = s * 127) and 4-bit
-    # nf4 / fp4 (its own options, code books, double quant planned per module); bnb.py and bnb_codec.py.
-    register_target(Target("bnb8", "bnb8", Caps(frozenset({8}), asym=False, grouped=False,
-                                                scale_dtypes=frozenset({"F32"}), divisor_scale="F32"),
-                           bnb.int8_leaves, bnb.config_writer(False), "bnb.codec",
-                           fit=_lazy("bnb.codec", "fit_int8"), retarget=_lazy("bnb.codec", "retarget_int8"),
-                           dynamic_activations="int8 per token, dynamic (LLM.int8: outlier columns in 16-bit)",
-                           options=frozenset({"bits"})))
-    # Fine-grained FP8 (transformers / DeepSeek): e4m3 in 2-D blocks; its own fit (--block-size), quantizer
-    # (Fp8Quantize's arithmetic) and retarget (codes kept from e4m3 sources in the same blocks); fp8/.
-    register_target(Target("fp8", "fp8", Caps(frozenset({8}), asym=False, per_row=False,
-                                              scale_dtypes=frozenset({"F32"}), divisor_scale="F32"),
-                           fp8.writer_leaves, fp8.writer_config, "fp8.codec", fit=_lazy("fp8.codec", "fit"),
-                           dynamic_activations="e4m3 per group of 128, dynamic",
-                           options=FP8_OPTIONS,
-                           requantize=_lazy("fp8.codec", "requantize"), requantize_rows=True, retarget=_lazy("fp8.codec", "retarget")))
-    for name, quant_type in bnb.FOUR_BIT_TARGETS.items():
-        register_target(Target(name, "bnb4", Caps(frozenset({4}), asym=False, per_row=False, grouped=False,
-                                                  scale_dtypes=frozenset({"F32"}), divisor_scale="F32"),
-                               bnb.four_bit_leaves, bnb.config_writer(True), "bnb.codec",
-                               fit=_lazy("bnb.codec", "fit_4bit", quant_type), plan=_lazy("bnb.codec", "plan_4bit"),
-                               options=BNB4_OPTIONS,
-                               requantize=_lazy("bnb.codec", "requantize_4bit"),
-                               retarget=_lazy("bnb.codec", "retarget_4bit")))
-    # Apple MLX affine (mlx-lm): integer codes kept with b = -s * z, scales and biases in a dtype that holds
-    # them exactly (plan), groups of 32 / 64 / 128, mlx-lm's config keys (model_config); mlx/.
-    register_target(Target("mlx", "mlx", Caps(frozenset(mlx.BITS) - {1}, per_row=False, tiles_rows=True, fallback_bits=8,
-                                              divisor_scale="F16", group_sizes=frozenset(mlx.GROUPS)),
-                           mlx.writer_leaves, mlx.writer_config, "mlx.codec", fit=mlx.fit, plan=_lazy("mlx.codec", "plan"),
-                           retarget=_lazy("mlx.codec", "retarget"), share=mlx.share, model_config=mlx.model_config,
-                           arrange=mlx.arrange))
-
-
-_register_targets()

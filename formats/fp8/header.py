@@ -36,8 +36,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from ...errors import CorruptCheckpoint, UnsupportedFormat
-from ..awq.header import not_converted_by
-from ..core.layout import QuantModule, common, refuse_problems
+from ..core.layout import QuantModule, common, not_converted_by, refuse_problems
 from ..storage.safetensors_header import DTYPES, TensorInfo
 
 WEIGHT_DTYPE = "F8_E4M3"

@@ -1,0 +1,19 @@
+"""llama.cpp's GGUF: one file (or a split set) holding metadata and block-typed tensors. Its declarations:
+the gguf family (a GGUF opened as a source: Q8_0 / Q4_0 / Q5_0 / MXFP4 block tensors; a permuted llama
+q / k read whole, codec.row_step) and dialect, and the storage container that opens a GGUF file."""
+
+from ..core.registry import Dialect, Family, register
+from ..storage.checkpoint import register_container
+from . import header as gguf
+
+register(Family("gguf", "GGUF", frozenset({"gguf"}), lambda method, qc: method == "gguf", gguf.find_modules,
+                gguf.check, "gguf.codec", gguf.settings, symmetric=lambda m, qc: True, rows="row_step"))
+register(Dialect("gguf", frozenset({"gguf"}), gguf.lint))
+
+
+def _open(path):
+    from .source import open_gguf
+    return open_gguf(path)
+
+
+register_container("gguf", gguf.looks_like_gguf, _open)

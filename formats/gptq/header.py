@@ -113,6 +113,16 @@ def normalise_packing_format(qc: Mapping) -> str | None:
 
 
 AUTO_ROUND_GPTQ, AUTO_ROUND_PLAIN = "auto_round:auto_gptq", "auto_round"      # the GPTQ layouts auto-round writes
+AUTO_ROUND_AWQ = "auto_round:auto_awq"          # ... and its AWQ GEMM packing (awq/ reads and writes it)
+
+
+def is_auto_round(qc: Mapping) -> bool:
+    return qc.get("quant_method") in ("auto-round", "intel/auto-round")
+
+
+def auto_round_awq_packed(qc: Mapping | None) -> bool:
+    """An auto-round config whose packing is AWQ's (auto_round:auto_awq): the awq family's, not this one's."""
+    return bool(qc) and is_auto_round(qc) and normalise_packing_format(qc) == AUTO_ROUND_AWQ
 AUTO_ROUND_READABLE = (AUTO_ROUND_GPTQ, "auto_round:gptqmodel", AUTO_ROUND_PLAIN)
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 

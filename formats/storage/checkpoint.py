@@ -162,17 +162,40 @@ def _load_json_object(path: Path, what: str) -> dict:
     return doc
 
 
+@dataclass(frozen=True)
+class Container:
+    """A one-file model format other than safetensors (llama.cpp's GGUF), declared by its family:
+    ``sniff(path) -> bool`` from the first bytes, ``open(path) -> Component`` (headers only)."""
+    name: str
+    sniff: Callable
+    open: Callable
+
+
+_CONTAINERS: dict[str, Container] = {}
+
+
+def register_container(name: str, sniff: Callable, open_: Callable) -> Container:
+    _CONTAINERS[name] = entry = Container(name, sniff, open_)
+    return entry
+
+
+def container_of(path: str | os.PathLike) -> Container | None:
+    """The registered container a file is (None: none is)."""
+    path = Path(path)
+    if not path.is_file() or path.suffix == ".safetensors":
+        return None
+    return next((c for c in _CONTAINERS.values() if c.sniff(path)), None)
+
+
 def open_target(path: str | os.PathLike) -> Target:
     path = Path(path)
     if not path.exists():
         raise InputNotFound("no such file or folder", file=path)
     if path.is_file():
         if path.suffix != ".safetensors":
-            from ..gguf.header import looks_like_gguf
-
-            if looks_like_gguf(path):                  # llama.cpp's one-file container: gguf/source.py
-                from ..gguf.source import open_gguf
-                return Target(path, "file", (open_gguf(path),))
+            container = container_of(path)
+            if container is not None:                  # llama.cpp's GGUF: gguf/source.py
+                return Target(path, "file", (container.open(path),))
             if path.suffix in PICKLE_SUFFIXES:
                 raise InputNotFound(_PICKLE_HINT, file=path)
             raise InputNotFound("not a .safetensors file or a model folder", file=path)
