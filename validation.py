@@ -59,7 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .probes import import_bitsandbytes, outlier_activations, producer_imports
+from .probes import outlier_activations
 from .errors import UsageError
 from .progress import report as report_progress
 from .validate_tensors import compare_plain_tensors, plain_tensors
@@ -85,9 +85,6 @@ COMPUTE_THREADS = 2        # blocks dequantized, multiplied and compared at once
 IN_FLIGHT = 4              # blocks submitted ahead of the one being summed up
 KERNEL_SAMPLE = 16         # layers per kernel cross-checked by default, besides one of each shape
 UNIT = 2.0**-24 * (1 + 2.0**-20)   # float32 unit roundoff, with room for float64's roundings of the check
-# LLM.int8 quantizes activations to int8 (1/127 steps); the 4-bit kernel computes in float32 here;
-# auto-round's torch kernel rounds the dequantized weight to float16 before the matmul (2^-11).
-KERNEL_TOLERANCE = {"bnb8": 0.05, "bnb4": 1e-4, "gptq": 2e-3}
 
 
 @dataclass(frozen=True)
@@ -367,95 +364,19 @@ def _compute_device(device: str):
 
 
 
+_KERNELS: dict = {}                 # name -> registry.Kernel, as _kernel_name found them
+
+
 def _kernel_name(side: Side, e: Entry) -> str | None:
-    """Which producer's kernel can run this layer here: "bnb8", "bnb4", "auto-round" or None."""
+    """The name of the producer's kernel that can run this layer here (its family's Family.kernel), or None."""
     m = e.module
-    if m is None:
+    if m is None or m.family == "float":
         return None
-    if m.family in ("bnb8", "bnb4"):
-        return m.family if importlib.util.find_spec("bitsandbytes") else None
-    if m.family != "gptq":
+    kernel = family(m.family).kernel_for(m, side.det.qc)
+    if kernel is None:
         return None
-    from .formats.gptq.codec import zero_decoding
-    qc = side.det.qc or {}
-    # Only what transformers + auto-round load: v1 zeros, fp16 scales, no act-order g_idx, and no
-    # GPTQModel `meta` (which that loader refuses).
-    if (zero_decoding(qc)[0] != "v1" or "meta" in qc or qc.get("desc_act") or m.bits not in (2, 3, 4, 8)
-            or m.details.get("scales_dtype") != "F16"):
-        return None
-    return "auto-round" if importlib.util.find_spec("auto_round_extension") else None
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _kernel_inputs(kernel: str, side: Side, e: Entry, k: int) -> dict:
-    """The stored tensors the kernel needs for output rows 0..k-1, and only those rows' bytes (so a
-    cross-check holds a block of the layer, never all of it): LLM.int8's rows; GPTQ's first k columns
-    of words, zero words and scales; 4-bit's first k * in codes and the absmax of their blocks."""
-    m = e.module
-    tensors = side.comp.tensors
-    whole = k == m.out_features
-
-    def window(leaf: str, n: int | None, axis: int = 0):
-        info = tensors[f"{m.name}.{leaf}"]
-        if whole or n is None:
-            return read_array(info)
-        return read_array(info, rows=(0, n)) if axis == 0 else read_array(info, cols=(0, n))
-
-    if kernel == "bnb8":
-        raw = {"weight": window("weight", k), "SCB": window("SCB", k)}
-    elif kernel == "auto-round":
-        raw = {"qweight": window("qweight", k, 1), "qzeros": window("qzeros", _ceil(k * m.bits, 32), 1),
-               "scales": window("scales", k, 1)}
-    else:                               # bnb4: the first k * in codes of the flattened weight
-        weight = tensors[m.name + ".weight"]
-        n, item = k * m.in_features, weight.nbytes // max(weight.shape[0], 1)
-        blocks = _ceil(n, m.group_size)
-        nested = m.details["quant_state"].get("nested_blocksize", 256)
-        rows = {"weight": _ceil(_ceil(n, 2), item), "weight.absmax": blocks,
-                "weight.nested_absmax": _ceil(blocks, nested)}
-        raw = {leaf: window(leaf, rows.get(leaf)) for leaf in
-               (t[len(m.name) + 1:] for t in m.weight_tensors + m.state_tensors)}
-    return {name: np.ascontiguousarray(v) for name, v in raw.items()}
-
-
-def _kernel_output(kernel: str, m: QuantModule, raw: dict, X, k: int, device):
-    """The producing library's own kernel on X (on the validation device), for output channels 0..k-1
-    from the stored tensors of those rows (_kernel_inputs)."""
-    import torch
-
-    t = {name: torch.from_numpy(v).to(device) for name, v in raw.items()}
-    if kernel == "auto-round":
-        # auto_round_extension's torch_zp QuantLinear: what transformers loads GPTQ v1 /
-        # auto_round:auto_gptq checkpoints with on the CPU; it reads v1 zero points as stored + 1.
-        with producer_imports():
-            from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
-
-        layer = QuantLinear(m.bits, m.group_size if m.group_size and m.group_size > 0 else -1, m.in_features,
-                            k, bias=False)
-        layer.qweight = t["qweight"][:, :k].contiguous()
-        layer.qzeros = t["qzeros"][:, : k * m.bits // 32].contiguous()
-        layer.scales = t["scales"][:, :k].contiguous()
-        with torch.no_grad():
-            return layer(X).float()
-    if not import_bitsandbytes():
-        raise ImportError("bitsandbytes cannot be imported")
-    import bitsandbytes as bnb
-    import bitsandbytes.functional as F
-
-    if kernel == "bnb8":
-        state = bnb.MatmulLtState()
-        cb, scb = t["weight"][:k].contiguous(), t["SCB"][:k].float().contiguous()
-        state.CB, state.SCB, state.threshold, state.has_fp16_weights = cb, scb, 6.0, False
-        return bnb.matmul(X.half(), cb, state=state).float()
-    qs = F.QuantState.from_dict({n[len("weight."):]: v for n, v in t.items() if n.startswith("weight.")},
-                                device=device)
-    qs.dtype = torch.float32
-    qs.shape = torch.Size([k, m.in_features])      # the first k rows (their codes and blocks were read)
-    # The packed bytes in whatever storage dtype they came in: bitsandbytes views them as uint8.
-    return bnb.matmul_4bit(X, t["weight"].t(), quant_state=qs).float()
+    _KERNELS[kernel.name] = kernel
+    return kernel.name
 
 
 @dataclass(frozen=True)
@@ -648,12 +569,13 @@ def _kernel_check(kernel: str, side: Side, e: Entry, x: np.ndarray, ours: np.nda
     import torch
 
     try:
-        y = _kernel_output(kernel, e.module, _kernel_inputs(kernel, side, e, ours.shape[1]), torch.from_numpy(x).to(device),
+        k = _KERNELS[kernel]
+        y = k.output(e.module, k.inputs(e.module, side.comp.tensors, ours.shape[1]), torch.from_numpy(x).to(device),
                            ours.shape[1], device)
     except Exception as exc:  # noqa: BLE001 - the library cannot run it here: said, never counted as a pass
         return {"kernel": kernel, "ok": None, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
     k_rel = float(np.linalg.norm(_host64(y) - ours) / max(float(np.linalg.norm(ours)), 1e-30))
-    return {"kernel": kernel, "rel_frobenius": k_rel, "ok": bool(k_rel <= KERNEL_TOLERANCE[e.module.family])}
+    return {"kernel": kernel, "rel_frobenius": k_rel, "ok": bool(k_rel <= _KERNELS[kernel].tolerance)}
 
 
 def _kernel_sample(side: Side, eligible: dict[str, str], seed: int) -> dict[str, str]:

@@ -30,10 +30,9 @@ from ..formats.core.ir import QuantTensor
 from ..formats.core.layout import QuantModule
 from ..formats.core.reader import model_dtype, read_float_rows, read_module, require_decodable
 from ..formats.core.registry import family
-from ..probes import import_bitsandbytes, outlier_activations
+from ..probes import outlier_activations
 
 SAMPLES = 32
-THRESHOLD = 6.0          # LLM.int8's outlier threshold (bitsandbytes' default, what transformers uses)
 
 
 def int8_token_matmul(x: np.ndarray, qt: QuantTensor, rows: tuple[int, int] | None = None) -> np.ndarray:
@@ -73,20 +72,19 @@ def _by_rows(windows: list[tuple[int, int]], inp: int, fn) -> np.ndarray:
     return np.hstack([fn(r0, min(w1, r0 + step)) for w0, w1 in windows for r0 in range(w0, w1, step)])
 
 
-def _llm_int8(comp: Component, m: QuantModule, x: np.ndarray) -> np.ndarray | None:
-    """bitsandbytes' own LLM.int8 matmul of a bnb int8 module, or None when it cannot run here."""
+def _source_kernel(comp: Component, det: Detection, m: QuantModule, x: np.ndarray):
+    """(label, output) of the source's own kernel where it quantizes activations at run time (a registry
+    Kernel with source_output: bitsandbytes' LLM.int8), or None when there is none or it cannot run here."""
+    if m.family == "float":
+        return None
+    kernel = family(m.family).kernel_for(m, det.qc)
+    if kernel is None or kernel.source_output is None:
+        return None
     try:
-        if not import_bitsandbytes():
-            return None
-        import bitsandbytes as bnb
         import torch
 
-        from ..formats.storage.tensor_io import read_array
-        cb = torch.from_numpy(read_array(comp.tensors[m.name + ".weight"]))
-        scb = torch.from_numpy(read_array(comp.tensors[m.name + ".SCB"])).float()
-        state = bnb.MatmulLtState()
-        state.CB, state.SCB, state.threshold, state.has_fp16_weights = cb, scb, THRESHOLD, False
-        return bnb.matmul(torch.from_numpy(x).half(), cb, state=state).float().numpy().astype(np.float64)
+        y = kernel.output(m, kernel.inputs(m, comp.tensors, m.out_features), torch.from_numpy(x), m.out_features, "cpu")
+        return kernel.source_output, y.numpy().astype(np.float64)
     except Exception:  # noqa: BLE001 - the kernel is optional; the report says which matmul it used
         return None
 
@@ -108,10 +106,9 @@ def activation_cost(src: Component, det: Detection, modules: list[QuantModule], 
         x64 = x.astype(np.float64)
         windows, in_f = channel_windows(m.out_features, math.lcm(_step(m), _step(tm))), m.in_features
         whole = windows == [(0, m.out_features)]
-        y_source = _llm_int8(src, m, x) if m.family == "bnb8" else None
-        if y_source is not None:
-            y_source = np.hstack([y_source[:, r0:r1] for r0, r1 in windows])
-        kernel = "bitsandbytes LLM.int8 (threshold 6.0)" if y_source is not None else "float"
+        own = _source_kernel(src, det, m, x)
+        y_source = np.hstack([own[1][:, r0:r1] for r0, r1 in windows]) if own is not None else None
+        kernel = own[0] if own is not None else "float"
         ys = {"float": [], "target": [], "source": []}
         for w0, w1 in windows:                 # each side read a window at a time, only its rows' bytes
             rows = None if whole else (w0, w1)

@@ -28,16 +28,13 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CorruptCheckpoint, UnsupportedFormat, UsageError
-from ..formats.gptq import codec as gptq_codec
-from ..formats.gptq.header import block_prefix
 from ..formats.storage.checkpoint import Component
 from ..formats.core.registry import ModuleContext, WriteContext, family as registered_family, target as registered_target, targets as registered_targets
 from ..formats.core.detect import METHOD_NAMES, Detection, without_quantization
-from ..formats.bnb.codec import STORAGE_CODES, scb_from_scales as _scb_from_scales  # noqa: F401 (tests import it here)
 from ..formats.core.ir import FloatSpec, FloatWeight, QuantSpec, QuantTensor, stack_rows
 from ..formats.core.activation import activation_report, static_activation
 from ..formats.core.minifloat import BOOKS
-from ..formats.core.layout import QuantModule, examples, natural_key
+from ..formats.core.layout import QuantModule, block_prefix, examples, natural_key
 from ..formats.core.experts import is_fused_name, split_module, why_not_split
 from ..formats.core.reader import model_dtype, read_float_rows, read_module, require_decodable
 from ..formats.storage.safetensors_header import DTYPES, FLOAT_DTYPES
@@ -702,13 +699,9 @@ def _plan(comp: Component, opts: Options) -> _Planned:
     tally, cache = Tally(), _ModuleCache()
     specs: dict[str, QuantSpec] = {}
     outputs: dict[str, OutTensor] = {}
-    src_cfg = gptq_codec.parse_config(det.qc) if det.qc and det.cfg_method in ("gptq", "auto-round") else {}
-    source_act_order = bool(src_cfg.get("desc_act"))
-    # A module is act-order where its g_idx permutes the groups: GPTQ always stores g_idx and says so with
-    # desc_act; a format that stores g_idx only for act-order (compressed-tensors' weight_g_idx) says so
-    # per module (details["act_order"]).
-    act_orders = {m.name: m.details.get("act_order", source_act_order and m.details.get("has_g_idx", False))
-                  for m in modules}
+    # A module is act-order where its g_idx permutes the groups; its family says so from headers and config
+    # (details["act_order"]: GPTQ's desc_act, compressed-tensors' weight_g_idx).
+    act_orders = {m.name: bool(m.details.get("act_order")) for m in modules}
     desc_act = any(act_orders.values()) and opts.to in PACKED_TARGETS and registered_target(opts.to).caps.act_order
     act_order_kept, lossy_of, settings = [], {}, {}
     planned = {}
@@ -849,17 +842,11 @@ def _source_spec(comp, det: Detection, m: QuantModule, src_dtype: str) -> QuantS
         return own
     if m.details.get("float_spec") is not None:   # a stored type with no exact form here (GGUF's K-quants)
         return FloatSpec(**m.details["float_spec"])
-    if m.family == "bnb8":
-        return QuantSpec("int", 8, -1, True, scale_divisor=127)
     if m.scheme in BOOKS:                       # every FP8 / FP4 dialect (layout.QuantModule details)
         bits, book = BOOKS[m.scheme]
         return QuantSpec(m.scheme, bits, m.group_size or -1, True, codebook=book,
                          scale_dtype=m.details.get("scales_dtype") or "F32", block_rows=m.details.get("block_rows", 1),
                          global_scale=m.details.get("global_scale"))
-    if m.family == "bnb4":
-        from ..formats.bnb.codec import CODEBOOKS
-        return QuantSpec(m.scheme, 4, m.group_size, True, codebook=tuple(map(float, CODEBOOKS[m.scheme])),
-                         storage=STORAGE_CODES.get(m.details.get("quant_storage"), "U8"))
     sym = registered_family(m.family).symmetric(m, det.qc)
     group = -1 if m.details.get("groups") == 1 else (m.group_size or -1)
     return QuantSpec("int", m.bits, group, sym, scale_dtype=m.details.get("scales_dtype") or "F16")

@@ -250,7 +250,7 @@ def write_component(comp: Component, out_dir: Path, tensors: list[OutTensor], co
 
     try:
         if replan is not None and min(jobs, len(shards)) > 1:
-            write_shards(comp, out_dir, shards, replan, min(jobs, len(shards)), advance, state)
+            write_shards(comp, out_dir, shards, replan, min(jobs, len(shards)), advance, state, write_shard)
         else:
             for shard in shards:
                 write_shard(out_dir, shard, by_name, advance)

@@ -155,9 +155,10 @@ def _error(msg: tuple) -> QconvError:
 
 
 def write_shards(comp, out_dir: Path, shards: list, replan: Replan, jobs: int, on_tensor: Callable[[int], None],
-                 state) -> int:
-    """Write ``shards`` (the component's whole plan) into ``out_dir`` with ``jobs`` worker processes;
-    returns the bytes written. ``on_tensor(n)`` is called here, in order of arrival, for every tensor a
+                 state, write_shard: Callable) -> int:
+    """Write ``shards`` (the component's whole plan) into ``out_dir`` with ``jobs`` worker processes, each
+    calling ``write_shard(out_dir, shard, tensors_by_name, on_tensor)`` (engine.write_shard: a module-level
+    function, pickled by name) for its shards; returns the bytes written. ``on_tensor(n)`` is called here, in order of arrival, for every tensor a
     worker has written; ``state.merge`` takes each worker's measurements. The first failure stops every
     worker and is raised here, as the worker raised it."""
     groups = assign([s.data_bytes for s in shards], jobs)
@@ -169,7 +170,7 @@ def write_shards(comp, out_dir: Path, shards: list, replan: Replan, jobs: int, o
     try:
         for i, group in enumerate(groups):
             task = {"comp": comp, "out_dir": str(out_dir), "shards": [shards[k] for k in group],
-                    "replan": replan, "threads": threads_each}
+                    "replan": replan, "threads": threads_each, "write_shard": write_shard}
             workers.append(_Worker(i, group, task, env, messages))
         while len(finished) < len(workers) and failure is None:
             try:
@@ -256,9 +257,7 @@ def child_main() -> None:
 
 
 def _write(task: dict, sent: Callable[[int], None]):
-    from .engine import write_shard
-
-    comp, replan = task["comp"], task["replan"]
+    comp, replan, write_shard = task["comp"], task["replan"], task["write_shard"]
     tensors, state = replan.fn(comp, *replan.args)
     by_name = {t.name: t for t in tensors}
     for shard in task["shards"]:

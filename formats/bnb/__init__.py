@@ -19,10 +19,12 @@ def _always(method, qc) -> bool:        # bitsandbytes' tensor names are its own
 
 register(Family("bnb8", "bitsandbytes LLM.int8", frozenset({"bnb8", "bitsandbytes"}), _always,
                 lambda tensors, qc: bnb.find_int8_modules(tensors), lazy("bnb.codec", "check_int8_module"),
-                "bnb.codec", bnb.int8_settings, "read_int8_module", needs_config=False, rows=1, scale_tensor=".SCB"))
+                "bnb.codec", bnb.int8_settings, "read_int8_module", needs_config=False, rows=1, scale_tensor=".SCB",
+                source_spec="int8_spec", kernel="bnb.kernel"))
 register(Family("bnb4", "bitsandbytes 4-bit", frozenset({"bnb4", "bitsandbytes"}), _always,
                 lambda tensors, qc: bnb.find_4bit_modules(tensors), lazy("bnb.codec", "check_4bit_module"),
-                "bnb.codec", bnb.four_bit_settings, "read_4bit_module", needs_config=False, rows="four_bit_row_step"))
+                "bnb.codec", bnb.four_bit_settings, "read_4bit_module", needs_config=False, rows="four_bit_row_step",
+                source_spec="four_bit_spec", kernel="bnb.kernel"))
 register(Dialect("bitsandbytes", frozenset({"bnb8", "bnb4", "bitsandbytes"}), bnb.lint, resolve=_config_method))
 
 # LLM.int8 (codes kept from 8-bit symmetric per-row sources, SCB = s * 127) and 4-bit nf4 / fp4 (its own

@@ -396,3 +396,17 @@ def retarget_4bit(qt: QuantTensor, spec: QuantSpec, settings: Mapping) -> tuple[
     """Kept codes and absmax in the target's storage, the source's double quantization kept or dropped
     as the settings say (no value changes: nothing rounded)."""
     return replace(qt, spec=spec, double_quant=qt.double_quant if settings.get("double_quant", False) else None), None
+
+
+# ---------------------------------------------------------------------------------------------
+# The family's source specs (registry Family.source_spec): what convert negotiates a module from
+
+def int8_spec(m: QuantModule, tensors, qc) -> QuantSpec:
+    """LLM.int8: symmetric int8 per row, the scale SCB / 127 (a divisor)."""
+    return QuantSpec("int", 8, -1, True, scale_divisor=127)
+
+
+def four_bit_spec(m: QuantModule, tensors, qc) -> QuantSpec:
+    """nf4 / fp4: the flat code book in absmax blocks, stored in its quant_storage dtype."""
+    return QuantSpec(m.scheme, 4, m.group_size, True, codebook=tuple(map(float, CODEBOOKS[m.scheme])),
+                     storage=STORAGE_CODES.get(m.details.get("quant_storage"), "U8"))

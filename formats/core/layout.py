@@ -149,3 +149,9 @@ def not_converted_by(name: str, patterns) -> str | None:
         except re.error:
             pass
     return None
+
+
+def block_prefix(name: str) -> str | None:
+    """model.layers.3.mlp.up_proj -> model.layers (the stack a module sits in), None outside stacks."""
+    match = re.match(r"^(.*?)\.\d+\.", name)
+    return match.group(1) if match else None

@@ -6,33 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def _e4m3() -> np.ndarray:
-    b = np.arange(256)
-    sign = np.where(b & 0x80, -1.0, 1.0)
-    exp, man = (b >> 3) & 0xF, b & 0x7
-    value = np.where(exp == 0, man / 8.0 * 2.0**-6, (1 + man / 8.0) * 2.0 ** (exp - 7.0))
-    value = sign * value
-    value[(b & 0x7F) == 0x7F] = np.nan
-    return value.astype(np.float32)
+from ..storage.float8 import E4M3, e8m0  # noqa: F401 (the stored dtypes' exact decodings, re-exported)
 
 
-E4M3 = _e4m3()                       # code -> value; E4M3[0x7E] = 448, the largest
 E4M3_BOOK = tuple(float(v) for v in E4M3)   # the code book of every e4m3 QuantSpec (one object)
 E4M3_MAX = 448.0
 E4M3_NAN = (0x7F, 0xFF)
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 E2M1_BOOK = tuple(float(v) for v in E2M1)   # the code book of every e2m1 QuantSpec (one object)
 BOOKS = {"e4m3": (8, E4M3_BOOK), "e2m1": (4, E2M1_BOOK)}   # scheme -> (bits, code book)
-
-
-def e8m0(b: np.ndarray) -> np.ndarray:
-    """Bytes as 2^(b - 127), float32 (255 is NaN; 0 is 2^-127, a float32 subnormal, exact)."""
-    b = np.asarray(b, dtype=np.uint8)
-    nan = b == 255
-    out = np.ldexp(np.float32(1), np.where(nan, 0, b.astype(np.int32) - 127)).astype(np.float32)  # 2^128: no warning
-    out[nan] = np.nan
-    return out
 
 
 def e4m3_bytes(values: np.ndarray) -> np.ndarray:

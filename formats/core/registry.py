@@ -48,6 +48,15 @@ class Family:
     # (MLX: integer zero points, or none, decided from its scales and biases); a codec function name.
     # None: convert derives it from the module's headers.
     source_spec: str | None = None
+    # (m, qc) -> Kernel | None: the producer's own matmul for a module, where it can run here (a module,
+    # relative to qconv.formats, holding ``kernel``: "bnb.kernel"); None: the family has none
+    kernel: str | None = None
+
+    def kernel_for(self, m: QuantModule, qc: Mapping | None):
+        """The producer's kernel for this module (Kernel), or None."""
+        if self.kernel is None:
+            return None
+        return importlib.import_module(f"{_FORMATS}.{self.kernel}").kernel(m, qc)
 
     def read(self, m: QuantModule, tensors: Mapping, qc: Mapping | None, dtype: str,
              rows: tuple[int, int] | None = None):
@@ -67,6 +76,19 @@ class Family:
         if isinstance(self.rows, int):
             return self.rows
         return getattr(importlib.import_module(f"{_FORMATS}.{self.codec}"), self.rows)(m)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A producer's own matmul (Family.kernel): validate runs it on the same activations as qconv's
+    decoding and holds it to ``tolerance`` (its own arithmetic: LLM.int8's int8 activations, auto-round's
+    float16 weights); convert's activation cost takes its output as the source's where ``source_output``
+    names it (a kernel that quantizes activations at run time)."""
+    name: str
+    tolerance: float
+    inputs: Callable                 # (m, tensors, k) -> {leaf: array}: the stored tensors of output rows 0..k-1
+    output: Callable                 # (m, inputs, X torch, k, device) -> torch float32 [rows of X, k]
+    source_output: str | None = None
 
 
 @dataclass(frozen=True)

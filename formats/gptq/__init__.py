@@ -55,7 +55,7 @@ def auto_round_packing(modules) -> str | None:
 
 register(Family("gptq", "GPTQ", frozenset({"gptq", "auto-round"}), _claims, gptq.find_in_checkpoint,
                 lazy("gptq.codec", "check"),
-                "gptq.codec", gptq.settings, scale_tensor=".scales", symmetric=_symmetric))
+                "gptq.codec", gptq.settings, scale_tensor=".scales", symmetric=_symmetric, kernel="gptq.kernel"))
 # a bare AutoGPTQ quantize_config.json (no quant_method, "bits"): tried after every other bare config
 register(Dialect("gptq", frozenset({"gptq", "auto-round"}), gptq.lint, bare=lambda doc: "bits" in doc,
                  bare_last=True, resolve=_config_method))

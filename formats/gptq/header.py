@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
+from dataclasses import replace
 from typing import Mapping
 
-from ..core.layout import QuantModule, common, examples, int_scheme, natural_key
+from ..core.layout import QuantModule, block_prefix, common, examples, int_scheme, natural_key  # noqa: F401
 from ..storage.safetensors_header import DTYPES, TensorInfo
 
 STATE_LEAVES = ("qzeros", "scales", "g_idx")
@@ -232,9 +233,12 @@ def unmatched_extra_config(qc: Mapping, module_names) -> list[str]:
 
 
 def find_in_checkpoint(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[QuantModule]:
-    """find_modules with the config's bit width as the fallback for modules without qzeros."""
+    """find_modules with the config's bit width as the fallback for modules without qzeros; a module is
+    act-order (details["act_order"]) where it stores g_idx and the config says desc_act."""
     fallback = (lambda name: (per_module_settings(qc, name) or {}).get("bits")) if qc else None
-    return find_modules(tensors, fallback)
+    desc_act = bool(parse_config(qc).get("desc_act")) if qc else False
+    return [replace(m, details={**m.details, "act_order": desc_act and bool(m.details.get("has_g_idx"))})
+            for m in find_modules(tensors, fallback)]
 
 
 def settings(qc: Mapping | None, modules: list[QuantModule]) -> dict:
@@ -323,12 +327,6 @@ def leaves(spec, shape: tuple[int, int], g_idx: bool) -> dict[str, tuple[str, tu
     if g_idx:
         res["g_idx"] = ("I32", (inp,))
     return res
-
-
-def block_prefix(name: str) -> str | None:
-    """model.layers.3.mlp.up_proj -> model.layers (the stack a module sits in), None outside stacks."""
-    match = re.match(r"^(.*?)\.\d+\.", name)
-    return match.group(1) if match else None
 
 
 def config_writer(target: str, packing_format: str | None = None):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ...errors import CorruptCheckpoint, InputNotFound, UnsupportedFormat
+from ...errors import CorruptCheckpoint, InputNotFound
 from .safetensors_header import Header, TensorInfo, file_kind, open_regular, read_header
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".pk", ".joblib")

@@ -102,7 +102,7 @@ def to_float32(values: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "BF16":
         return bf16_to_f32(values)
     if dtype in ("F8_E4M3", "F8_E8M0"):
-        from ..core.minifloat import E4M3, e8m0
+        from .float8 import E4M3, e8m0
         return E4M3[values] if dtype == "F8_E4M3" else e8m0(values)
     return values.astype(np.float32, copy=False)
 

@@ -169,6 +169,7 @@ def _killed(comp):
 
 def test_a_killed_worker_is_named(tmp_path):
     """A worker that dies without a word (the kernel's OOM killer) fails the run, naming its shards."""
+    from qconv.convert.engine import write_shard
     from qconv.convert.parallel import Replan, write_shards
     from qconv.errors import OutputError
     from qconv.formats.storage.checkpoint import open_target
@@ -179,7 +180,7 @@ def test_a_killed_worker_is_named(tmp_path):
     assert len(shards) >= 2
     with pytest.raises(OutputError, match=r"the worker process writing model-0000\d-of-0000\d\.safetensors.* "
                                           r"was killed by SIGKILL \(out of memory\? try fewer --jobs\); nothing written"):
-        write_shards(comp, tmp_path, shards, Replan(_killed), 2, lambda n: None, None)
+        write_shards(comp, tmp_path, shards, Replan(_killed), 2, lambda n: None, None, write_shard)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two"])

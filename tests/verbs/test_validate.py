@@ -1,6 +1,7 @@
 """`qconv validate` and `convert --validate`: real conversions pass, deliberately corrupted layers fail
 and only they are named, and bitsandbytes' own kernels are run as a cross-check."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -240,11 +241,12 @@ def test_a_kernel_that_cannot_run_is_reported_never_passed(monkeypatch):
     """If a producer's kernel raises on this machine (say, no kernel image for a GPU), the layer rests on
     the weight and output bounds, and the report and table say the cross-check did not run."""
     from qconv import cli, validation
+    from qconv.formats.bnb import kernel as bnb_kernel
 
     def unavailable(*args, **kwargs):
         raise RuntimeError("no kernel image is available for execution on the device\ndetails")
 
-    monkeypatch.setattr(validation, "_kernel_output", unavailable)
+    monkeypatch.setattr(bnb_kernel, "INT8", dataclasses.replace(bnb_kernel.INT8, output=unavailable))
     result = validation.validate(CHECKPOINTS / "llama-bnb8", CHECKPOINTS / "llama-bnb8", device="cpu")
     kernels = [k for r in result["layers"] for k in r.get("kernels", {}).values()]
     assert result["ok"] and len(kernels) == 2 * 14

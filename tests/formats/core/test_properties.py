@@ -32,7 +32,7 @@ def test_scb_survives_float32_gptq_scales(seed):
     """bitsandbytes' SCB is the row absmax of the float16-cast weight (a float16 value); GPTQ stores
     s = float32(SCB / 127); qconv's inverse gives back every such SCB exactly."""
     import bitsandbytes.functional as F
-    from qconv.convert.convert import _scb_from_scales
+    from qconv.formats.bnb.codec import scb_from_scales as _scb_from_scales
 
     w = _weights(257, 64, "float16", seed) * float(np.random.default_rng(seed).choice([1e-3, 1, 300]))
     _, scb, _ = F.int8_vectorwise_quant(w.to(torch.float16))
