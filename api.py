@@ -193,7 +193,7 @@ class ConvertOptions:
 
     def conversion(self):
         """The conversion's own settings (convert.convert.Options)."""
-        from .convert.convert import Options
+        from .convert.options import Options
 
         return Options(self.to, self.bits, self.group_size, self.sym, self.scale_dtype, self.blocksize,
                        self.double_quant, self.quant_storage, block_size=self.block_size, source=self.source,
@@ -338,7 +338,10 @@ def inspect(path: str | os.PathLike[str], *, strict: bool = False) -> InspectRes
 
 
 def _run_convert(src, dst, opts: ConvertOptions, progress: ProgressCallback | None) -> ConvertResult:
-    from .convert.convert import convert as run_convert
+    if opts.to == GGUF_TARGET:                   # one file, not a folder: its own writer
+        from .convert.to_gguf import convert_to_gguf as run_convert
+    else:
+        from .convert.convert import convert as run_convert
 
     with reporting(progress):
         data = run_convert(_path("src", src), _path("dst", dst), opts.conversion(), overwrite=opts.overwrite,

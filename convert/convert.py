@@ -13,195 +13,42 @@ Lossless paths (each module's codes carried over unchanged):
 
 Every other path requantizes each module from the source's exact weights (requantize.py for integers,
 bnb_codec.quantize_4bit for nf4/fp4) and reports the error it adds next to round-to-nearest's. An
-unquantized source is quantized the same way, data-free, from its float weights (_data_free_modules).
+unquantized source is quantized the same way, data-free, from its float weights (data_free_modules).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from typing import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import CorruptCheckpoint, UnsupportedFormat, UsageError
-from ..formats.storage.checkpoint import Component
-from ..formats.core.registry import ModuleContext, WriteContext, family as registered_family, target as registered_target, targets as registered_targets
-from ..formats.core.detect import METHOD_NAMES, Detection, without_quantization
-from ..formats.core.ir import FloatSpec, FloatWeight, QuantSpec, QuantTensor, stack_rows
+from ..errors import UnsupportedFormat, UsageError
 from ..formats.core.activation import activation_report, static_activation
-from ..formats.core.minifloat import BOOKS
-from ..formats.core.layout import QuantModule, block_prefix, examples, natural_key
-from ..formats.core.experts import is_fused_name, split_module, why_not_split
-from ..formats.core.reader import model_dtype, read_float_rows, read_module, require_decodable
-from ..formats.storage.safetensors_header import DTYPES, FLOAT_DTYPES
+from ..formats.core.detect import Detection, without_quantization
+from ..formats.core.ir import QuantSpec, QuantTensor, stack_rows
+from ..formats.core.layout import QuantModule, examples, natural_key
+from ..formats.core.reader import model_dtype, read_module, require_decodable
+from ..formats.core.registry import ModuleContext, WriteContext, family as registered_family, target as registered_target, targets as registered_targets
+from ..formats.storage.checkpoint import Component
 from ..formats.storage.tensor_io import FLOAT_NAMES, encode_float, finite_scales, read_array, to_float32
-from .dequantize import dequantize_component, finite_rows
+from .dequantize import dequantize_component
 from .engine import DEFAULT_MAX_SHARD, OutTensor, made_warnings, passthrough, run, write_component
-from .parallel import Replan, on_cores
-from .requantize import ExactRows, combined, error_sums, layer_error_of, requantize, unmeasurable, unrepresentable
+from .options import FLOAT_TARGETS, Options, refuse_options
+from .parallel import Replan
+from .requantize import combined, error_sums, layer_error_of, requantize, unmeasurable, unrepresentable
+from .source import (check_source, exact_rows, exact_weights, float_rows, linear_modules, read_float, refuse,
+                     source_spec)
+from .tally import Stats, Tally
 
 # The quantized targets are the format registry's (formats/core/registry.py: caps or fit, plan, leaves,
 # requantize / retarget, encoder, config); the float targets dequantize (dequantize.py).
 PACKED_TARGETS = tuple(t.name for t in registered_targets())
-FLOAT_TARGETS = ("float16", "bfloat16", "float32")
 TARGETS = PACKED_TARGETS + FLOAT_TARGETS
 SCALE_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
-
-
-@dataclass(frozen=True)
-class Options:
-    to: str
-    bits: int | None = None
-    group_size: int | None = None
-    sym: bool | None = None
-    scale_dtype: str | None = None      # None: the source's (bnb int8 sources: float16)
-    # Options of the targets that take them (their Target.fit / plan: bitsandbytes 4-bit)
-    blocksize: int | None = None        # None: the source's, else 64
-    double_quant: bool | None = None    # None: the source's, else off
-    quant_storage: str | None = None    # None: the source's, else uint8
-    block_size: tuple[int, int] | None = None   # FP8 targets' 2-D block (None: the source's, else 128 x 128)
-    source: str | None = None           # the only source method accepted (bnb8-to-gptq: "bnb8")
-    search: bool = True                 # False: integer requantization is plain round-to-nearest (--no-search)
-    gguf_asym: str = "Q5_0"             # --to gguf: the block type of 4-bit asymmetric modules (Q5_0 or Q4_1)
-    gguf_float: bool = False            # --to gguf: modules whose codes cannot be kept stored as float
-    gguf_float_type: str = "auto"       # --to gguf: embeddings, lm_head, --gguf-float modules (auto|f32|f16|bf16|q8_0)
-
-
-@dataclass
-class Stats:
-    """What writing one module changed, for the summary: scale rounding is the only loss it allows."""
-    modules: int = 0
-    scales: int = 0
-    scales_rounded: int = 0
-    max_scale_rel_error: float = 0.0
-    layers: list[dict] = field(default_factory=list)       # requantized modules and their error
-    v1_zero: list[str] = field(default_factory=list)        # modules with a zero point of 0 written as v1
-    scale_dtype: str | None = None   # the dtype its scales were stored in (a target may pick it per module: MLX)
-
-    def requantized(self, module: str, reason: str, source: str, target: str, err) -> None:
-        self.layers.append({"module": module, "reason": reason, "from": source, "to": target,
-                            "rel_frobenius": round(float(err.rel_frobenius), 6),
-                            "max_abs": float(err.max_abs), "sq_error": float(err.sq_error),
-                            "rtn_rel_frobenius": round(float(err.rtn_rel_frobenius), 6),
-                            "rtn_sq_error": float(err.rtn_sq_error)})
-
-    def scale_rounding(self, exact: np.ndarray, stored: np.ndarray) -> None:
-        rel = np.abs(stored.astype(np.float64) - exact.astype(np.float64)) / np.maximum(
-            np.abs(exact.astype(np.float64)), np.finfo(np.float64).tiny)
-        self.scales += exact.size
-        self.scales_rounded += int((rel > 0).sum())
-        self.max_scale_rel_error = max(self.max_scale_rel_error, float(rel.max(initial=0.0)))
-
-
-@dataclass
-class Tally:
-    """Every written module's Stats, by module. A module whose tensors fall in two shards that two worker
-    processes write (--jobs) is encoded by both: it counts once, so the summary is the same whatever N."""
-    of: dict[str, Stats] = field(default_factory=dict)
-
-    def add(self, module: str, stats: Stats) -> None:
-        self.of[module] = stats
-
-    def merge(self, other: "Tally") -> None:          # a worker's (parallel.write_shards)
-        self.of.update(other.of)
-
-    def summary(self) -> dict:
-        layers = sorted((r for st in self.of.values() for r in st.layers), key=lambda r: natural_key(r["module"]))
-        sq, rtn = sum(r["sq_error"] for r in layers), sum(r["rtn_sq_error"] for r in layers)
-        modules = sum(st.modules for st in self.of.values())
-        return {"modules": modules, "codes_kept": modules - len(layers), "requantized": len(layers),
-                "scales": sum(st.scales for st in self.of.values()),
-                "scales_rounded": sum(st.scales_rounded for st in self.of.values()),
-                "max_scale_rel_error": max((st.max_scale_rel_error for st in self.of.values()), default=0.0),
-                "max_rel_frobenius": max((r["rel_frobenius"] for r in layers), default=0.0),
-                "sq_error_vs_rtn": round(sq / rtn, 4) if rtn else None, "layers": layers,
-                "v1_zero_points": sorted((n for st in self.of.values() for n in st.v1_zero), key=natural_key),
-                "scale_dtypes": dict(sorted(Counter(st.scale_dtype for st in self.of.values() if st.scale_dtype).items()))}
-
-
-_ROUTERS = ("gate", "router", "shared_expert_gate")
-_VISION = re.compile(r"(^|\.)(visual|vision[a-z_]*)(\.|$)")
-
-
-def _data_free_modules(comp: Component, opts: Options) -> list[QuantModule]:
-    """The Linears of an unquantized component that quantizers quantize: 2-D float16/bfloat16/float32
-    `.weight` tensors inside the numbered decoder stacks (model.layers.N...), as auto-round does by
-    default. Embeddings, lm_head and norms sit outside the stacks or are not 2-D; vision towers
-    (`visual`, `vision*` in the name) stay float, as auto-round leaves them for multimodal models, and
-    so do MoE routers (`mlp.gate`, `router`, `shared_expert_gate`: [experts, hidden], which every
-    quantizer of MoE models leaves in float: llm-compressor's and transformers' FP8, GPTQModel)."""
-    modules = []
-    for name in _linear_modules(comp):
-        info = comp.tensors[name + ".weight"]
-        leaf = name.rsplit(".", 1)[-1]
-        if info.dtype in FLOAT_NAMES and min(info.shape) > 0 and block_prefix(name) \
-                and not _VISION.search(name) and "embed" not in leaf and leaf not in _ROUTERS:
-            out, inp = info.shape
-            modules.append(QuantModule(name, "float", FLOAT_NAMES[info.dtype], DTYPES[info.dtype][0], out, inp,
-                                       (info.name,), (), details={"dtype": FLOAT_NAMES[info.dtype]}))
-    for name, info in comp.tensors.items():      # fused experts [E, R, in]: one Linear per expert
-        if len(info.shape) == 3 and info.dtype in FLOAT_NAMES and is_fused_name(name) and block_prefix(name) \
-                and not _VISION.search(name) and min(info.shape) > 0:
-            experts, rows, inp = info.shape
-            fused = QuantModule(name, "float", FLOAT_NAMES[info.dtype], DTYPES[info.dtype][0], experts * rows,
-                                inp, (info.name,), (), details={"dtype": FLOAT_NAMES[info.dtype]}, experts=experts)
-            modules.extend(_split_experts(comp, fused, opts))
-    return sorted(modules, key=lambda m: natural_key(m.name))
-
-
-def _read_float(comp: Component, m: QuantModule) -> FloatWeight:
-    """An unquantized module's whole float32 weight (refused where it holds a NaN or infinity)."""
-    lazy = _float_rows(comp, m)
-    return replace(lazy, values=np.asarray(lazy.values))
-
-
-def _float_rows(comp: Component, m: QuantModule, rows: tuple[int, int] | None = None) -> FloatWeight:
-    """An unquantized module to requantize (its output rows r0:r1 where given), its rows read from the
-    file as they are needed (ExactRows), each window refused when it holds a NaN or infinity, as
-    _read_float refuses the whole."""
-    info = comp.tensors[m.weight_tensors[0]]
-    first, last = rows or (0, m.out_features)
-
-    def read(r0: int, r1: int) -> np.ndarray:
-        values = read_float_rows(comp, m, (first + r0, first + r1))
-        if not np.isfinite(values).all():
-            raise CorruptCheckpoint("holds non-finite weights (NaN or infinity); they cannot be quantized",
-                                    file=info.file, tensor=info.name)
-        return values
-
-    shape = (last - first, m.in_features)
-    return FloatWeight(FloatSpec(m.scheme), shape, m.scheme, ExactRows(shape, _parallel_rows(read, shape)))
-
-
-def _parallel_rows(read, shape):
-    """read(r0, r1) for a large window as reads of blocks of rows on every core, into one array."""
-    from .requantize import BLOCK_ELEMENTS
-
-    def rows(r0: int, r1: int) -> np.ndarray:
-        step = max(1, BLOCK_ELEMENTS // max(1, shape[1]))
-        if r1 - r0 <= step:
-            return read(r0, r1)
-        out = np.empty((r1 - r0, shape[1]), np.float32)
-
-        def part(a: int) -> None:
-            b = min(r1, a + step)
-            out[a - r0:b - r0] = read(a, b)
-        on_cores(part, range(r0, r1, step))
-        return out
-    return rows
-
-
-def _exact_rows(comp: Component, m: QuantModule, source):
-    """The source module's exact float32 weight as ExactRows (read a window at a time): what the lossy
-    paths requantize; refused where a window is not finite."""
-    if isinstance(source, FloatWeight):
-        return source.values
-    shape = tuple(source.shape)
-    return ExactRows(shape, _parallel_rows(lambda r0, r1: finite_rows(comp, m, source, r0, r1), shape))
 
 
 REQUANTIZE_WINDOW = 1 << 22     # weights of a row-separable target requantizer's window (16 MiB of float32)
@@ -223,19 +70,6 @@ def _requantize_by_rows(tgt, source, w, spec: QuantSpec, settings: Mapping):
     return stack_rows(parts), layer_error_of(sums, rtn_sums)
 
 
-def _refuse(m: QuantModule, comp: Component, why: str) -> UnsupportedFormat:
-    first = comp.tensors.get(m.weight_tensors[0]) if m.weight_tensors else None
-    return UnsupportedFormat(why, file=first.file if first else None, tensor=m.name)
-
-
-def _exact_weights(comp: Component, m: QuantModule, source) -> np.ndarray:
-    """The source module's exact float32 weight, which a lossy path requantizes: refused where it is not
-    finite (a float source's NaN was refused when read; a quantized one's here, dequantize.finite_rows)."""
-    if isinstance(source, FloatWeight):
-        return source.values
-    return finite_rows(comp, m, source, 0, m.out_features)
-
-
 def _check_scales(m: QuantModule, comp: Component, source, qt: QuantTensor, spec: QuantSpec, opts: Options,
                   lossy: str | None) -> None:
     """A narrowing of the scales that changes what a module computes is refused before its bytes are
@@ -250,13 +84,13 @@ def _check_scales(m: QuantModule, comp: Component, source, qt: QuantTensor, spec
         finite_source = getattr(source, "scales", None)
         largest = (f"; the largest is {float(np.abs(finite_source[np.isfinite(finite_source)]).max(initial=0.0)):.3g}"
                    if finite_source is not None else "")      # a float source has no scales to name
-        raise _refuse(m, comp, f"{int(bad.sum())} scales do not fit {stored} (they would be stored as infinity"
+        raise refuse(m, comp, f"{int(bad.sum())} scales do not fit {stored} (they would be stored as infinity"
                                f"{largest}){way_out}")
     if not lossy and getattr(source, "scales", None) is not None and source.scales.shape == scales.shape:
         flushed = (scales == 0) & (np.asarray(source.scales) != 0)
         if flushed.any():
             smallest = float(np.abs(np.asarray(source.scales, np.float64)[flushed]).min())
-            raise _refuse(m, comp, f"{int(flushed.sum())} non-zero scales (the smallest {smallest:.3g}) become 0 "
+            raise refuse(m, comp, f"{int(flushed.sum())} non-zero scales (the smallest {smallest:.3g}) become 0 "
                                    f"in {stored}, which would zero their groups{way_out}")
 
 
@@ -563,13 +397,13 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
         windows of rows where it is row-separable), else convert's integer requantizer."""
         if tgt.requantize is not None and tgt.requantize_rows and not getattr(source.spec, "flat", False):
             with np.errstate(over="ignore", invalid="ignore"):
-                return _requantize_by_rows(tgt, source, _exact_rows(comp, m, source), spec, settings)
+                return _requantize_by_rows(tgt, source, exact_rows(comp, m, source), spec, settings)
         if tgt.requantize is not None:                  # the target's own quantizer (code books)
-            w = _exact_weights(comp, m, source)
+            w = exact_weights(comp, m, source)
             qt, rtn = tgt.requantize(source, w, spec, settings)
             with np.errstate(over="ignore", invalid="ignore"):
                 return qt, _layer_error(w, qt, rtn)
-        qt, err = requantize(_exact_rows(comp, m, source), spec.bits, spec.group_size, spec.symmetric,
+        qt, err = requantize(exact_rows(comp, m, source), spec.bits, spec.group_size, spec.symmetric,
                              spec.scale_dtype, source.dtype, search=opts.search)
         return (replace(qt, spec=spec) if tgt.retarget is None else tgt.retarget(qt, spec, settings)[0]), err
 
@@ -580,22 +414,22 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
         _check_scales(m, comp, source, qt, spec, opts, lossy)
         why = unrepresentable(qt, err, FLOAT_NAMES.get(spec.scale_dtype, ""))
         if why:
-            raise _refuse(m, comp, f"cannot be written as {opts.to}: {why}")
+            raise refuse(m, comp, f"cannot be written as {opts.to}: {why}")
         st.scale_dtype = qt.spec.scale_dtype
         if spec.zero_encoding == "v1" and qt.zeros is not None and bool((qt.zeros == 0).any()) \
                 and m.name not in st.v1_zero:
             st.v1_zero.append(m.name)
         if qt.g_idx is not None and not with_g_idx:
-            raise _refuse(m, comp, f"act-order g_idx cannot be stored in {opts.to}")  # planned as lossy
+            raise refuse(m, comp, f"act-order g_idx cannot be stored in {opts.to}")  # planned as lossy
         try:
             return tgt.encode(qt, spec, write_g_idx)
         except ValueError as exc:             # data the header-level plan could not see (zero points)
-            raise _refuse(m, comp, f"cannot be stored as {opts.to}: {exc}") from None
+            raise refuse(m, comp, f"cannot be stored as {opts.to}: {exc}") from None
 
     def encoded(settings: dict, into: Tally | None = None):
         st = Stats()
         if m.family == "float":
-            source = _float_rows(comp, m) if lossy else _read_float(comp, m)
+            source = float_rows(comp, m) if lossy else read_float(comp, m)
         else:
             source = read_module(comp, det, m, src_dtype)
         qt, err = requantized(source, settings) if lossy else (_retarget(source, spec, st, tgt, settings), None)
@@ -608,8 +442,8 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
         return leaves
 
     def weights():                            # ExactRows: a plan reads them a window at a time
-        source = _float_rows(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
-        return _exact_rows(comp, m, source)
+        source = float_rows(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
+        return exact_rows(comp, m, source)
 
     settings = {}
     if tgt.plan is not None:                  # settings the header needs first (a nested double-quant offset)
@@ -622,7 +456,7 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
 
         def window(r0: int, r1: int) -> dict:
             if m.family == "float":
-                source = _float_rows(comp, m, (r0, r1))
+                source = float_rows(comp, m, (r0, r1))
             else:
                 source = read_module(comp, det, m, src_dtype, (r0, r1))
             source_name.append(source.spec.name)
@@ -634,7 +468,7 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
             err = combined(errors)
             why = unmeasurable(err)
             if why:
-                raise _refuse(m, comp, f"cannot be written as {opts.to}: {why}")
+                raise refuse(m, comp, f"cannot be written as {opts.to}: {why}")
             st.requantized(m.name, lossy, source_name[0], spec.name, err)
             st.modules += 1
             tally.add(m.name, st)
@@ -658,15 +492,10 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
     return settings, outputs
 
 
-def _linear_modules(comp: Component) -> list[str]:
-    return [n[: -len(".weight")] for n, i in comp.tensors.items()
-            if n.endswith(".weight") and len(i.shape) == 2 and i.dtype in FLOAT_DTYPES]
-
-
 def _quant_config(comp: Component, opts: Options, specs: dict[str, QuantSpec], desc_act: bool,
                   settings: dict[str, dict] | None = None, requantized: frozenset = frozenset()) -> dict:
     src_qc = comp.config.get("quantization_config") if comp.config else None
-    unquantized = tuple(n for n in _linear_modules(comp) if n not in specs)
+    unquantized = tuple(n for n in linear_modules(comp) if n not in specs)
     try:
         return registered_target(opts.to).config(WriteContext(specs, unquantized, desc_act, src_qc,
                                                               settings or {}, requantized))
@@ -693,7 +522,7 @@ class _Planned:
 
 def _plan(comp: Component, opts: Options) -> _Planned:
     det = require_decodable(comp)
-    modules = _check_source(comp, det, opts)
+    modules = check_source(comp, det, opts)
     claimed = det.claimed_tensors | {t for m in modules for t in m.weight_tensors}
     src_dtype = model_dtype(comp, det)
     tally, cache = Tally(), _ModuleCache()
@@ -706,7 +535,7 @@ def _plan(comp: Component, opts: Options) -> _Planned:
     act_order_kept, lossy_of, settings = [], {}, {}
     planned = {}
     for m in modules:
-        src_spec = _source_spec(comp, det, m, src_dtype)
+        src_spec = source_spec(comp, det, m, src_dtype)
         act_order = act_orders[m.name]
         planned[m.name] = (src_spec, act_order, *_target_spec(m, src_spec, opts, comp, act_order, src_dtype))
     if opts.to in PACKED_TARGETS and registered_target(opts.to).caps.one_group_size:
@@ -755,7 +584,7 @@ def _replan(comp: Component, opts: Options):
 
 def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: int, jobs: int = 1) -> dict:
     if opts.to in FLOAT_TARGETS:
-        _check_source(comp, require_decodable(comp), opts)
+        check_source(comp, require_decodable(comp), opts)
         return dequantize_component(comp, out_dir, opts.to, max_shard, jobs)
     p = _plan(comp, opts)
     written = write_component(comp, out_dir, p.tensors, p.config, max_shard, f"converting {comp.name}",
@@ -767,7 +596,7 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
         written["activation_cost"] = activation_cost(comp, det, modules, open_component(out_dir, comp.name))
     summary = p.tally.summary()
     views = [m for m in modules if "rows_of" in m.details]
-    if views:           # fused experts written as one Linear per expert (_split_experts)
+    if views:           # fused experts written as one Linear per expert (split_experts)
         fused = sorted({m.details["rows_of"][0].name for m in views}, key=natural_key)
         summary["experts_split"] = {"fused_tensors": len(fused), "modules": len(views), "examples": fused[:2]}
     tgt = registered_target(opts.to)
@@ -788,68 +617,6 @@ def _v1_zero_warning(names: list[str]) -> list[str]:
     return [f"{len(names)} modules have zero points of 0, which GPTQ v1 (stored z-1) writes as 2^bits-1: "
             f"field-wise readers get 0 back, GPTQModel's word-wise decoding does not; --to gptq-v2 stores them "
             f"exactly ({examples(names)})"]
-
-
-def _check_source(comp: Component, det: Detection, opts: Options) -> list[QuantModule]:
-    """The modules to convert: the source's quantized ones, or for an unquantized source, the Linears
-    to quantize data-free. Refused: a source of another method than the verb names (bnb8-to-gptq of a
-    GPTQ folder), and an unquantized one with no Linear in a decoder stack."""
-    where = comp.files[0] if comp.files else comp.path
-    if opts.source is not None and {m.family for m in det.modules} != {opts.source}:
-        raise UnsupportedFormat(f"is {det.method}, not {METHOD_NAMES[opts.source]}; this verb converts "
-                                f"only {METHOD_NAMES[opts.source]} checkpoints (use `qconv convert --to "
-                                f"{opts.to}` for other sources)", file=where)
-    if det.modules or opts.to in FLOAT_TARGETS:
-        if opts.to in FLOAT_TARGETS or registered_target(opts.to).caps.fused_experts:
-            return list(det.modules)
-        return [v for m in det.modules for v in (_split_experts(comp, m, opts) if m.experts else [m])]
-    modules = _data_free_modules(comp, opts)
-    if not modules:
-        raise UnsupportedFormat(f"has no quantized modules ({det.method}) and no float Linear weight in a "
-                                f"numbered decoder stack (model.layers.N...) to quantize", file=where)
-    return modules
-
-
-def _split_experts(comp: Component, m: QuantModule, opts: Options) -> list[QuantModule]:
-    """A fused experts module as one module per expert (formats/core/experts.py), the layout the target's
-    loaders read; refused where the model type's fused layout is not the one qconv splits, or the rows
-    do not split."""
-    why = why_not_split(comp.config, m)
-    step = 1 if m.family == "float" else registered_family(m.family).row_step(m)
-    views = []
-    if why is None:
-        try:
-            views = split_module(m)
-        except ValueError as exc:
-            why = f"{exc}"
-    if why is None and any(v.details["rows_of"][1] % step or v.out_features % step for v in views):
-        why = f"its experts do not start on its format's {step}-row windows"
-    if why is not None:
-        rows = m.out_features // m.experts
-        raise UnsupportedFormat(f"holds fused MoE experts ({m.experts} experts in one [{m.experts}, {rows}, "
-                                f"{m.in_features}] tensor), which cannot be split into the one Linear per expert "
-                                f"{opts.to} stores: {why}; `qconv dequantize` keeps the fused layout",
-                                file=comp.tensors[m.weight_tensors[0]].file, tensor=m.name)
-    return views
-
-
-def _source_spec(comp, det: Detection, m: QuantModule, src_dtype: str) -> QuantSpec:
-    """The source module's spec without decoding its data (from headers and config)."""
-    if m.family == "float":
-        return FloatSpec(m.scheme)
-    own = registered_family(m.family).spec(m, comp.tensors, det.qc)
-    if own is not None:                         # the family's own rule (MLX: zero points from the data)
-        return own
-    if m.details.get("float_spec") is not None:   # a stored type with no exact form here (GGUF's K-quants)
-        return FloatSpec(**m.details["float_spec"])
-    if m.scheme in BOOKS:                       # every FP8 / FP4 dialect (layout.QuantModule details)
-        bits, book = BOOKS[m.scheme]
-        return QuantSpec(m.scheme, bits, m.group_size or -1, True, codebook=book,
-                         scale_dtype=m.details.get("scales_dtype") or "F32", block_rows=m.details.get("block_rows", 1),
-                         global_scale=m.details.get("global_scale"))
-    sym = registered_family(m.family).symmetric(m, det.qc)
-    group = -1 if m.details.get("groups") == 1 else (m.group_size or -1)
-    return QuantSpec("int", m.bits, group, sym, scale_dtype=m.details.get("scales_dtype") or "F16")
 
 
 def validation_tolerances(report: dict) -> dict[str, tuple]:
@@ -907,39 +674,15 @@ def check_results(written, *, samples: int = 32, seed: int = 0) -> list[dict]:
     return results
 
 
-# Each target option as the command line spells it; the targets that take it say so (Target.options,
-# to_gguf.GGUF_OPTIONS; the float dtypes take none): given to any other, it is a usage error (exit 2).
-OPTION_FLAGS = {"bits": "--bits", "group_size": "--group-size", "sym": "--sym/--asym",
-                "scale_dtype": "--scale-dtype", "blocksize": "--blocksize", "double_quant": "--double-quant",
-                "quant_storage": "--quant-storage", "block_size": "--block-size", "gguf_asym": "--gguf-asym",
-                "gguf_float": "--gguf-float", "gguf_float_type": "--gguf-float-type"}
-
-
 def check_options(opts: Options) -> None:
     """Refuse an option the target does not take (it would be ignored, or misread), naming both."""
-    from .to_gguf import GGUF_BITS, GGUF_OPTIONS
-
-    takes = GGUF_OPTIONS if opts.to == "gguf" else frozenset() if opts.to in FLOAT_TARGETS \
-        else registered_target(opts.to).options
-    default = Options(opts.to)
-    for field_name, flag in OPTION_FLAGS.items():
-        if field_name not in takes and getattr(opts, field_name) != getattr(default, field_name):
-            own = [OPTION_FLAGS[f] for f in OPTION_FLAGS if f in takes]
-            raise UsageError(f"{flag}: --to {opts.to} takes no such option; "
-                             + (f"its options are {', '.join(own)}" if own else "it takes no target options"))
-    if opts.to == "gguf" and opts.bits is not None and opts.bits not in GGUF_BITS:
-        raise UsageError(f"--bits {opts.bits}: --to gguf requantizes to "
-                         f"{' or '.join(f'{t} (--bits {b})' for b, t in GGUF_BITS.items())} only")
+    refuse_options(opts, frozenset() if opts.to in FLOAT_TARGETS else registered_target(opts.to).options)
 
 
 def convert(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
             max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False, jobs: int = 1) -> dict:
-    check_options(opts)
-    if opts.to == "gguf":                       # one file, not a folder: its own writer (to_gguf.py)
-        from .to_gguf import convert_to_gguf
-        return convert_to_gguf(src, dst, opts, overwrite=overwrite, max_shard_size=max_shard_size, validate=validate,
-                               jobs=jobs)
     if opts.to not in TARGETS:
         raise ValueError(opts.to)
+    check_options(opts)
     return run(src, dst, lambda comp, out: convert_component(comp, out, opts, max_shard_size, jobs),
                overwrite=overwrite, check=check_results if validate else None)

@@ -35,14 +35,16 @@ from ..formats.gguf import codec
 from ..formats.gguf.header import looks_like_gguf
 from ..formats.storage.checkpoint import Component, open_target
 from ..formats.storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, encode_float, read_array, to_float32
-from .convert import Options, Stats, Tally, _check_source, _exact_rows, _exact_weights, _read_float, _source_spec, _split_experts
+from .options import Options, refuse_options
+from .source import check_source, exact_rows, exact_weights, read_float, source_spec, split_experts
+from .tally import Stats, Tally
 from .engine import DEFAULT_MAX_SHARD, plain_chunks
 from .requantize import requantize, unrepresentable
 from .staging import staged_output, test_hook
 
 ROPE_FREQS = "rope_parameters (llama3)"         # the source of rope_freqs: computed from config.json
 _FLOAT_GGML = {"F16": (np.float16, "F16"), "F32": (np.float32, "F32"), "BF16": (np.uint16, "BF16")}
-GGUF_OPTIONS = frozenset({"bits", "gguf_asym", "gguf_float", "gguf_float_type"})   # convert.check_options
+GGUF_OPTIONS = frozenset({"bits", "gguf_asym", "gguf_float", "gguf_float_type"})   # check_options
 # what llama.cpp does to activations (a quantized weight's dot product rounds them to its q8 blocks at run time)
 GGUF_ACTIVATIONS = "q8 blocks of 32 (llama.cpp's dot products), dynamic"
 GGUF_BITS = {4: "Q4_0", 8: "Q8_0"}                # --bits: what every requantized module becomes
@@ -115,7 +117,7 @@ def _g_idx(comp: Component, m: QuantModule):
 def _natural_type(comp, det, m: QuantModule, opts: Options, src_dtype: str) -> tuple[str | None, str | None]:
     """(GGUF type, reason its codes are not kept) of one module (codec.gguf_type, then --bits)."""
     where = comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else comp.path
-    src_spec = _source_spec(comp, det, m, src_dtype)
+    src_spec = source_spec(comp, det, m, src_dtype)
     if _own_blocks(m, opts):                          # a GGUF source's K-quant / IQ / Q4_1 ...: copied as it is
         return m.details["ggml_type"], None
     if src_spec.scheme == "float":
@@ -161,7 +163,7 @@ def _module_out(comp, det, m: QuantModule, opts: Options, arch, name: str, src_d
 
     def chunks():
         st = Stats(modules=1)
-        source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
+        source = read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
         qt, lossy = source, reason
         blocks = None
         if not lossy:
@@ -178,7 +180,7 @@ def _module_out(comp, det, m: QuantModule, opts: Options, arch, name: str, src_d
             raise UnsupportedFormat(f"cannot be written as MXFP4: {lossy}", tensor=m.name,
                                     file=comp.tensors[m.weight_tensors[0]].file)
         if lossy:
-            w = _exact_rows(comp, m, source)
+            w = exact_rows(comp, m, source)
             bits, sym = codec.requant_settings(type_name)
             qt, err = requantize(w, bits, codec.QK, sym, "F16", source.dtype, search=opts.search)
             _refuse_unrepresentable(qt, err, type_name, m.name, comp.tensors[m.weight_tensors[0]].file)
@@ -232,8 +234,8 @@ def _dequantized_out(comp, det, m: QuantModule, name: str, src_dtype: str, heads
     rounding = _Rounding(code, m.name, comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else comp.path)
 
     def chunks():
-        source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
-        rows = rounding.encode(_exact_weights(comp, m, source))
+        source = read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
+        rows = rounding.encode(exact_weights(comp, m, source))
         yield codec.permute_rows(rows, heads) if heads else rows
 
     n = m.out_features * m.in_features
@@ -314,7 +316,7 @@ def modules_of(comp: Component, det, opts: Options) -> list[QuantModule]:
     """The Linears written as blocks: the source's quantized modules (fused MoE experts split into one
     module per expert, as convert splits them), or an unquantized source's decoder Linears (data-free)."""
     if not det.modules:
-        return _check_source(comp, det, opts)
+        return check_source(comp, det, opts)
     return [v for m in det.modules for v in (_experts_of(comp, m, opts) if m.experts else [m])]
 
 
@@ -323,7 +325,7 @@ def _experts_of(comp: Component, m: QuantModule, opts: Options) -> list[QuantMod
     too, where the model is one llama.cpp stacks experts for (qwen3moe): llama.cpp's *_exps take gate and
     up apart, as its own converter splits gpt-oss (conversion/gpt_oss.py: rows ``::2`` and ``1::2``), and a
     row's 32-blocks run along the input, so each expert's gate / up rows keep their codes and scales
-    (experts.split_interleaved). Every other target keeps convert's refusal (_split_experts)."""
+    (experts.split_interleaved). Every other target keeps convert's refusal (split_experts)."""
     arch = garch.ARCHS.get((comp.config or {}).get("model_type"))
     if m.details.get("interleaved") and arch is not None and arch.moe:
         try:
@@ -332,7 +334,7 @@ def _experts_of(comp: Component, m: QuantModule, opts: Options) -> list[QuantMod
             raise UnsupportedFormat(f"holds fused MoE experts that cannot be split into llama.cpp's gate and up "
                                     f"experts: {exc}", file=comp.tensors[m.weight_tensors[0]].file,
                                     tensor=m.name) from None
-    return _split_experts(comp, m, opts)
+    return split_experts(comp, m, opts)
 
 
 def _expert_bias(comp: Component, info, fused: set[str]) -> bool:
@@ -635,6 +637,7 @@ def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = Fa
                     max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False) -> dict:
     import time
 
+    check_options(opts)
     src, dst = Path(src), Path(dst)
     if dst.suffix != ".gguf":
         raise UsageError("--to gguf writes one .gguf file: give DST a name ending in .gguf", file=dst)
@@ -653,6 +656,14 @@ def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = Fa
             report["validation"] = check(comp, [tmp / f for f in report["shards"]], report, dst)
     return {"source": str(src), "destination": str(dst), "seconds": round(time.monotonic() - t0, 3),
             "components": [report]}
+
+
+def check_options(opts: Options) -> None:
+    """--to gguf's options (GGUF_OPTIONS; any other is exit 2, naming it) and its requantization widths."""
+    refuse_options(opts, GGUF_OPTIONS)
+    if opts.bits is not None and opts.bits not in GGUF_BITS:
+        raise UsageError(f"--bits {opts.bits}: --to gguf requantizes to "
+                         f"{' or '.join(f'{t} (--bits {b})' for b, t in GGUF_BITS.items())} only")
 
 
 def _check_not_a_source_file(comp: Component, dst: Path) -> None:
@@ -726,8 +737,8 @@ def _mismatch(comp, det, modules, part: str, got: np.ndarray, entry: dict, error
     from the source; None where they are (check)."""
     m = modules.get(part)
     if m is not None:
-        source = _read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
-        ref = _exact_weights(comp, m, source)
+        source = read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
+        ref = exact_weights(comp, m, source)
         heads = garch.heads_of(comp.config, part + ".weight") if permute else None
     else:
         info = comp.tensors[part]

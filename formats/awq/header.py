@@ -38,7 +38,6 @@ decoded as stored, for symmetric files too (awq_codec.read).
 
 from __future__ import annotations
 
-import re
 from typing import Mapping
 
 from ...errors import CorruptCheckpoint, UnsupportedFormat
