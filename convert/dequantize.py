@@ -124,10 +124,5 @@ def dequantize_component(comp: Component, out_dir: Path, dtype: str | None, max_
 
 def dequantize(src: Path, dst: Path, *, dtype: str | None = None, overwrite: bool = False,
                max_shard_size: int = DEFAULT_MAX_SHARD, jobs: int = 1) -> dict:
-    from ..formats.gguf.header import looks_like_gguf
-
-    if looks_like_gguf(src):                     # one llama.cpp file, not a folder: from_gguf.py
-        from .from_gguf import dequantize_gguf
-        return dequantize_gguf(src, dst, dtype=dtype, overwrite=overwrite, max_shard_size=max_shard_size)
     return run(src, dst, lambda comp, out: dequantize_component(comp, out, dtype, max_shard_size, jobs),
                overwrite=overwrite)

@@ -146,6 +146,10 @@ def open_gguf(path: Path) -> Component:
     config["quantization_config"] = {"quant_method": "gguf", "ggml_types": types, "row_order": order,
                                      "decoded": decoded}
     warnings = [w for w in [garch.tokenizer_warning(g.meta)] if w]
+    own = g.meta.get("general.architecture")
+    if own != g.arch.name:
+        warnings.insert(0, f"a {own} file holds a VL model's text decoder: written as the text model it computes on "
+                           f"text ({g.arch.hf_class}); its vision tower is llama.cpp's mmproj file, not this one")
     if decoded:
         warnings.append(f"{len(decoded)} block-typed tensors outside the decoder layers "
                         f"({', '.join(f'{n}: {k}' for n, k in decoded.items())}) are read as {config['dtype']}, "
