@@ -1,5 +1,6 @@
 """`qconv inspect`: what a checkpoint holds, from headers and configs alone (safetensors folders and
-files, and GGUF files, whose header formats/gguf/header.py reads).
+files; a one-file container such as GGUF is described and rendered by its family: storage's container
+hooks, gguf/report.py).
 
 Imports neither torch nor numpy. The only tensor bytes read are bitsandbytes' tiny metadata tensors
 (the quant_state JSON of each 4-bit module and the weight_format byte of each int8 module).
@@ -11,30 +12,20 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from .formats.storage.checkpoint import Component, open_target
+from .formats.storage.checkpoint import Component, container_named, container_of, open_target
 from .formats.core.detect import DECODED_METHODS, METHOD_NAMES, detect
-from .formats.core.layout import examples as _examples, module_of, natural_key
+from .formats.core.layout import examples as _examples, human_bytes, human_count, indent, module_of, natural_key
 from .formats.core.registry import dialects_for, families
 from .formats.core.structure import disagreements, key_namer, logical_shapes
-from .formats.gguf.arch import structure_warnings
-from .formats.gguf.header import count as gguf_count, looks_like_gguf, summary as gguf_summary
-from .formats.gguf.split import read_gguf
 
 
 def inspect_path(path: str | Path) -> dict:
-    if looks_like_gguf(path):
-        header = read_gguf(path)
-        return {"path": str(path), "kind": "gguf", "gguf": gguf_summary(header),
-                "warnings": gguf_structure_warnings(header)}
+    container = container_of(path)
+    if container is not None and container.describe is not None:     # a GGUF: its own header-only report
+        return {"path": str(path), **container.describe(path)}
     target = open_target(path)
     return {"path": str(path), "kind": target.kind,
             "components": [inspect_component(c) for c in target.components]}
-
-
-def gguf_structure_warnings(header) -> list[str]:
-    """A GGUF's hyperparameters against its tensors (structure.py), from the header alone."""
-    return [f"metadata and tensors disagree: {w}" for w in
-            structure_warnings(header.metadata, [(t.name, t.shape) for t in header.tensors], gguf_count)]
 
 
 def inspect_component(comp: Component) -> dict:
@@ -51,7 +42,7 @@ def inspect_component(comp: Component) -> dict:
     if qc is not None and not modules and cfg_method in DECODED_METHODS:
         warnings.append(f"{qc_source} says {METHOD_NAMES.get(cfg_method, cfg_method)} but no tensor "
                         f"is quantized")
-    expected = {f.name for f in families() if cfg_method in f.config_methods and cfg_method != "bitsandbytes"}
+    expected = {f.name for f in families() if cfg_method in f.config_methods}
     if modules and expected:
         found = {m.family for m in modules}
         if not found <= expected:
@@ -203,20 +194,6 @@ def _ranges(values: list[int]) -> str:
     return "{" + ",".join(spans) + "}"
 
 
-def _human_count(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(n)
-
-
-def _human_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
 _HEADLINE_KEYS = {"component", "method", "parameter_dtypes", "tensor_dtypes", "quantized_modules",
                   "quantized_parameters", "quantized_bits_per_weight", "logical_parameters",
                   "bits_per_weight", "tensors", "files", "bytes_on_disk", "config", "warnings",
@@ -226,22 +203,23 @@ _HEADLINE_KEYS = {"component", "method", "parameter_dtypes", "tensor_dtypes", "q
 def render_text(result: dict, *, all_modules: bool = False) -> str:
     from tabulate import tabulate
 
-    if result["kind"] == "gguf":
-        return render_gguf(result)
+    own = container_named(result["kind"])
+    if own is not None and own.render is not None:
+        return own.render(result)
     blocks = []
     for r in result["components"]:
         lines = [f"{r['component']}: {r['method']}",
-                 f"  {len(r['files'])} file(s), {_human_bytes(r['bytes_on_disk'])} on disk, "
-                 f"{r['tensors']} tensors, {_human_count(r['logical_parameters'])} logical parameters"
+                 f"  {len(r['files'])} file(s), {human_bytes(r['bytes_on_disk'])} on disk, "
+                 f"{r['tensors']} tensors, {human_count(r['logical_parameters'])} logical parameters"
                  + (f", {r['bits_per_weight']} bits/weight overall" if r["bits_per_weight"] else "")
                  + (f"; quantization config from {r['config']}" if r["config"] else "")]
         settings = [(k, _setting_text(v)) for k, v in r.items() if k not in _HEADLINE_KEYS]
         if settings:
-            lines += ["", _indent(tabulate(settings, headers=["setting", "value"]))]
+            lines += ["", indent(tabulate(settings, headers=["setting", "value"]))]
         if r["quantized_modules"]:
             rows = [(s, len(r["quantized_modules"][s]), f"{r['quantized_parameters'][s]:,}",
                      r["quantized_bits_per_weight"].get(s)) for s in r["quantized_modules"]]
-            lines += ["", _indent(tabulate(rows, headers=["scheme", "modules", "logical params",
+            lines += ["", indent(tabulate(rows, headers=["scheme", "modules", "logical params",
                                                           "bits/weight"], colalign=("left", "right", "right", "right")))]
             for s, names in r["quantized_modules"].items():
                 shown = names if all_modules else compress_names(names)
@@ -249,65 +227,12 @@ def render_text(result: dict, *, all_modules: bool = False) -> str:
         dtypes = sorted(set(r["parameter_dtypes"]) | set(r["tensor_dtypes"]))
         rows = [(d, f"{r['parameter_dtypes'].get(d, 0):,}", f"{r['tensor_dtypes'].get(d, 0):,}")
                 for d in dtypes]
-        lines += ["", _indent(tabulate(rows, headers=["dtype", "parameters", "all tensors"],
+        lines += ["", indent(tabulate(rows, headers=["dtype", "parameters", "all tensors"],
                                        colalign=("left", "right", "right")))]
         if r["warnings"]:
             lines += ["", f"  warnings ({len(r['warnings'])}):"] + [f"  ! {w}" for w in r["warnings"]]
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
-
-
-def render_gguf(result: dict) -> str:
-    """A GGUF file's report (inspect_path's "gguf" summary) as text: the model line, the totals, bytes by
-    ggml type, the tokenizer, the architecture's hyperparameters."""
-    from tabulate import tabulate
-
-    g = result["gguf"]
-    model = " ".join(str(v) for v in (g["architecture"], repr(g["name"]) if g["name"] else None) if v)
-    lines = [f"{Path(result['path']).name}: GGUF v{g['version']}" + (f", {model}" if model else "")
-             + (f", file type {g['file_type']}" if g["file_type"] else ""),
-             f"  {_human_bytes(g['file_size'])} on disk, {g['tensors']} tensors, "
-             f"{_human_count(g['parameters'])} parameters"
-             + (f", {g['bits_per_weight']} bits/weight overall, {g['quantized_share']:.1%} of parameters in "
-                f"quantized blocks" if g["parameters"] else "")
-             + f", {g['metadata_keys']} metadata keys"]
-    if "split" in g:
-        s = g["split"]
-        no = s["no"] + 1 if isinstance(s["no"], int) else s["no"]          # split.no counts from 0
-        if s.get("files"):                                                 # the whole set, from its first file
-            lines.append(f"  {s['count']} split files, read as one: {s['files'][0]} to {s['files'][-1]}")
-        else:
-            lines.append(f"  split {no} of {s['count']}"
-                         + (f" ({s['tensors']} tensors in all)" if s["tensors"] else ""))
-    if g["types"]:
-        rows = [(t, r["tensors"], f"{r['parameters']:,}", f"{r['bytes']:,}", r["bits_per_weight"])
-                for t, r in g["types"].items()]
-        lines += ["", _indent(tabulate(rows, headers=["ggml type", "tensors", "parameters", "bytes", "bits/weight"],
-                                       colalign=("left", "right", "right", "right", "right")))]
-    tok = g.get("tokenizer")
-    if tok:
-        parts = [f"{tok['tokens']:,} tokens" if tok["tokens"] is not None else None,
-                 f"{tok['merges']:,} merges" if tok["merges"] is not None else None,
-                 f"bos {tok['bos_token_id']}" if tok["bos_token_id"] is not None else None,
-                 f"eos {tok['eos_token_id']}" if tok["eos_token_id"] is not None else None,
-                 "chat template" if tok["chat_template"] else "no chat template"]
-        lines += ["", f"  tokenizer: {tok['model']}" + (f" (pre {tok['pre']})" if tok["pre"] else "")
-                  + ", " + ", ".join(p for p in parts if p)]
-    if g.get("hparams"):
-        rows = [(k, _gguf_value(v)) for k, v in g["hparams"].items()]
-        lines += ["", _indent(tabulate(rows, headers=["hyperparameter", "value"], disable_numparse=True))]
-    if result.get("warnings"):
-        lines += ["", f"  warnings ({len(result['warnings'])}):"] + [f"  ! {w}" for w in result["warnings"]]
-    return "\n".join(lines)
-
-
-def _gguf_value(value) -> str:
-    """A metadata value for the table: arrays comma-joined, an elided one as its type, count and head."""
-    if isinstance(value, dict) and "count" in value:
-        return f"{value['type']} of {value['count']:,}: {', '.join(map(str, value['head']))}, ..."
-    if isinstance(value, list):
-        return ", ".join(map(str, value))
-    return str(value)
 
 
 def _setting_text(value) -> str:
@@ -319,7 +244,3 @@ def _setting_text(value) -> str:
         return "\n".join(f"{k}: " + (", ".join(f"{ik}={_setting_text(iv)}" for ik, iv in v.items() if iv is not None)
                                       if isinstance(v, dict) else str(_setting_text(v))) for k, v in value.items())
     return value
-
-
-def _indent(text: str) -> str:
-    return "\n".join("  " + line for line in text.splitlines())

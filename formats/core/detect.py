@@ -15,15 +15,14 @@ from .registry import decoded_config_methods, dialects, families, family
 
 
 class _MethodNames(MappingABC):
-    """Report names of families and config methods (a config method that is not a family's name, such as
-    auto-round, names itself), read from the registry when asked: the families register themselves."""
-    _OWN = {"auto-round": "auto-round", "compressed-tensors": "compressed-tensors", None: "unquantized"}
-
+    """Report names: a family's method, "unquantized" for None, and any other config method its own name
+    (auto-round, compressed-tensors), read from the registry when asked: the families register themselves."""
     def _table(self) -> dict:
-        return {**{f.name: f.method for f in families()}, **self._OWN}
+        return {**{f.name: f.method for f in families()}, None: "unquantized"}
 
     def __getitem__(self, key):
-        return self._table()[key]
+        table = self._table()
+        return table[key] if key in table else str(key)
 
     def __iter__(self):
         return iter(self._table())
@@ -143,9 +142,11 @@ def detect(comp: Component) -> Detection:
         warnings.append(f"quant_method {cfg_method!r} is not a format qconv decodes; its packed "
                         f"tensors are listed as stored, not as quantized modules")
 
-    # auto-round is one config language over two packings (GPTQ's, AWQ's): reported as auto-round.
-    found = {("auto-round" if cfg_method == "auto-round" and cfg_method in family(m.family).config_methods
-              else m.family) for m in modules}
+    # A config method a dialect reports under its own name (auto-round: one config language over GPTQ's
+    # and AWQ's packings) names the modules of the families that decode it.
+    own = {name for d in dialects() for name in d.reported_as_itself}
+    found = {(cfg_method if cfg_method in own and cfg_method in family(m.family).config_methods else m.family)
+             for m in modules}
     if len(found) > 1:
         method = "mixed: " + ", ".join(METHOD_NAMES[f] for f in sorted(found))
         warnings.append(f"modules of several methods in one checkpoint ({method[7:]}); no loader "

@@ -155,3 +155,23 @@ def block_prefix(name: str) -> str | None:
     """model.layers.3.mlp.up_proj -> model.layers (the stack a module sits in), None outside stacks."""
     match = re.match(r"^(.*?)\.\d+\.", name)
     return match.group(1) if match else None
+
+
+# Report text (inspect's tables, a container's own report)
+
+def human_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())

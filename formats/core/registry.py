@@ -109,6 +109,9 @@ class Dialect:
     # (quant_method, qc) -> the config method a config of this dialect names (bitsandbytes: bnb8 or bnb4
     # from its load_in_* flags; auto-round: either spelling of its quant_method), None: not this dialect's
     resolve: Callable | None = None
+    # config methods reported under their own name, not the family's that decodes a module (auto-round:
+    # one config language over GPTQ's and AWQ's packings)
+    reported_as_itself: frozenset = frozenset()
 
 
 _FAMILIES: dict[str, Family] = {}

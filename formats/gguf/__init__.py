@@ -3,7 +3,7 @@ the gguf family (a GGUF opened as a source: Q8_0 / Q4_0 / Q5_0 / MXFP4 block ten
 q / k read whole, codec.row_step) and dialect, and the storage container that opens a GGUF file."""
 
 from ..core.registry import Dialect, Family, register
-from ..storage.checkpoint import register_container
+from ..storage.checkpoint import Container, register_container
 from . import header as gguf
 
 register(Family("gguf", "GGUF", frozenset({"gguf"}), lambda method, qc: method == "gguf", gguf.find_modules,
@@ -16,4 +16,14 @@ def _open(path):
     return open_gguf(path)
 
 
-register_container("gguf", gguf.looks_like_gguf, _open)
+def _describe(path):
+    from .report import describe
+    return describe(path)
+
+
+def _render(result):
+    from .report import render
+    return render(result)
+
+
+register_container(Container("gguf", gguf.looks_like_gguf, _open, _describe, _render))

@@ -58,7 +58,7 @@ register(Family("gptq", "GPTQ", frozenset({"gptq", "auto-round"}), _claims, gptq
                 "gptq.codec", gptq.settings, scale_tensor=".scales", symmetric=_symmetric, kernel="gptq.kernel"))
 # a bare AutoGPTQ quantize_config.json (no quant_method, "bits"): tried after every other bare config
 register(Dialect("gptq", frozenset({"gptq", "auto-round"}), gptq.lint, bare=lambda doc: "bits" in doc,
-                 bare_last=True, resolve=_config_method))
+                 bare_last=True, resolve=_config_method, reported_as_itself=frozenset({"auto-round"})))
 
 _INT_2_8 = frozenset(range(2, 9))
 for _name in ("gptq", "gptq-v2"):

@@ -165,18 +165,26 @@ def _load_json_object(path: Path, what: str) -> dict:
 @dataclass(frozen=True)
 class Container:
     """A one-file model format other than safetensors (llama.cpp's GGUF), declared by its family:
-    ``sniff(path) -> bool`` from the first bytes, ``open(path) -> Component`` (headers only)."""
+    ``sniff(path) -> bool`` from the first bytes, ``open(path) -> Component`` (headers only), and for
+    inspect its own header-only report: ``describe(path) -> {"kind": name, name: ..., "warnings": [...]}``
+    and ``render(report) -> text``."""
     name: str
     sniff: Callable
     open: Callable
+    describe: Callable | None = None
+    render: Callable | None = None
 
 
 _CONTAINERS: dict[str, Container] = {}
 
 
-def register_container(name: str, sniff: Callable, open_: Callable) -> Container:
-    _CONTAINERS[name] = entry = Container(name, sniff, open_)
+def register_container(entry: Container) -> Container:
+    _CONTAINERS[entry.name] = entry
     return entry
+
+
+def container_named(name: str) -> Container | None:
+    return _CONTAINERS.get(name)
 
 
 def container_of(path: str | os.PathLike) -> Container | None:

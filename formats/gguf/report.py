@@ -1,0 +1,75 @@
+"""A GGUF file's header-only report for `qconv inspect` (storage's container hooks: describe and render),
+without numpy or torch: the summary header.py makes, its hyperparameters against its tensors (structure.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..core.layout import human_bytes, human_count, indent
+from .arch import structure_warnings
+from .header import count, summary
+from .split import read_gguf
+
+
+def describe(path) -> dict:
+    header = read_gguf(path)
+    return {"kind": "gguf", "gguf": summary(header), "warnings": structure_warnings_of(header)}
+
+
+def structure_warnings_of(header) -> list[str]:
+    """A GGUF's hyperparameters against its tensors (structure.py), from the header alone."""
+    return [f"metadata and tensors disagree: {w}" for w in
+            structure_warnings(header.metadata, [(t.name, t.shape) for t in header.tensors], count)]
+
+
+def render(result: dict) -> str:
+    """A GGUF file's report (inspect_path's "gguf" summary) as text: the model line, the totals, bytes by
+    ggml type, the tokenizer, the architecture's hyperparameters."""
+    from tabulate import tabulate
+
+    g = result["gguf"]
+    model = " ".join(str(v) for v in (g["architecture"], repr(g["name"]) if g["name"] else None) if v)
+    lines = [f"{Path(result['path']).name}: GGUF v{g['version']}" + (f", {model}" if model else "")
+             + (f", file type {g['file_type']}" if g["file_type"] else ""),
+             f"  {human_bytes(g['file_size'])} on disk, {g['tensors']} tensors, "
+             f"{human_count(g['parameters'])} parameters"
+             + (f", {g['bits_per_weight']} bits/weight overall, {g['quantized_share']:.1%} of parameters in "
+                f"quantized blocks" if g["parameters"] else "")
+             + f", {g['metadata_keys']} metadata keys"]
+    if "split" in g:
+        s = g["split"]
+        no = s["no"] + 1 if isinstance(s["no"], int) else s["no"]          # split.no counts from 0
+        if s.get("files"):                                                 # the whole set, from its first file
+            lines.append(f"  {s['count']} split files, read as one: {s['files'][0]} to {s['files'][-1]}")
+        else:
+            lines.append(f"  split {no} of {s['count']}"
+                         + (f" ({s['tensors']} tensors in all)" if s["tensors"] else ""))
+    if g["types"]:
+        rows = [(t, r["tensors"], f"{r['parameters']:,}", f"{r['bytes']:,}", r["bits_per_weight"])
+                for t, r in g["types"].items()]
+        lines += ["", indent(tabulate(rows, headers=["ggml type", "tensors", "parameters", "bytes", "bits/weight"],
+                                       colalign=("left", "right", "right", "right", "right")))]
+    tok = g.get("tokenizer")
+    if tok:
+        parts = [f"{tok['tokens']:,} tokens" if tok["tokens"] is not None else None,
+                 f"{tok['merges']:,} merges" if tok["merges"] is not None else None,
+                 f"bos {tok['bos_token_id']}" if tok["bos_token_id"] is not None else None,
+                 f"eos {tok['eos_token_id']}" if tok["eos_token_id"] is not None else None,
+                 "chat template" if tok["chat_template"] else "no chat template"]
+        lines += ["", f"  tokenizer: {tok['model']}" + (f" (pre {tok['pre']})" if tok["pre"] else "")
+                  + ", " + ", ".join(p for p in parts if p)]
+    if g.get("hparams"):
+        rows = [(k, _gguf_value(v)) for k, v in g["hparams"].items()]
+        lines += ["", indent(tabulate(rows, headers=["hyperparameter", "value"], disable_numparse=True))]
+    if result.get("warnings"):
+        lines += ["", f"  warnings ({len(result['warnings'])}):"] + [f"  ! {w}" for w in result["warnings"]]
+    return "\n".join(lines)
+
+
+def _gguf_value(value) -> str:
+    """A metadata value for the table: arrays comma-joined, an elided one as its type, count and head."""
+    if isinstance(value, dict) and "count" in value:
+        return f"{value['type']} of {value['count']:,}: {', '.join(map(str, value['head']))}, ..."
+    if isinstance(value, list):
+        return ", ".join(map(str, value))
+    return str(value)
