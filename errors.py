@@ -66,6 +66,14 @@ class UnsupportedFormat(QconvError):
     exit_code = EXIT_UNSUPPORTED
 
 
+class NotStorable(ValueError):
+    """A format cannot hold a value or layout (codes beyond its width, a shape its packing does not fill, a
+    scale dtype it does not store): raised by the formats' writer hooks (leaves, encode, config, share,
+    arrange), which convert turns into an UnsupportedFormat naming the module (exit 5). Its own class, so
+    that any other ValueError (a bug, numpy's) is never taken for a refusal. A ValueError for callers that
+    caught that."""
+
+
 class OutputError(QconvError):
     """The destination cannot be written."""
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UnsupportedFormat, UsageError
+from ..errors import NotStorable, UnsupportedFormat, UsageError
 from ..formats.core.activation import activation_report, static_activation
 from ..formats.core.detect import Detection, without_quantization
 from ..formats.core.ir import QuantSpec, QuantTensor, stack_rows
@@ -136,7 +136,7 @@ def _check_leaves(tgt, spec: QuantSpec, m: QuantModule, inp: int, opts: Options,
     """The target's predicted leaves: its layout can hold the module's shape (exit 5 where not)."""
     try:
         tgt.leaves(spec, (m.out_features, inp), False)
-    except ValueError as exc:
+    except NotStorable as exc:
         what = f"{spec.bits}-bit" if spec.scheme == "int" else spec.name
         raise UnsupportedFormat(f"a {m.out_features} x {inp} module cannot be stored as {what} "
                                 f"{registered_family(tgt.family).method} ({opts.to}): {exc}", tensor=m.name,
@@ -340,7 +340,7 @@ def _stream_windows(tgt, spec: QuantSpec, m: QuantModule, g_idx: bool, settings:
     whole = tgt.module_leaves(spec, (out, inp), g_idx, settings)
     try:
         part = tgt.module_leaves(spec, (step, inp), g_idx, settings)
-    except ValueError:                         # no layout for so few rows (codes packed along the output)
+    except NotStorable:                         # no layout for so few rows (codes packed along the output)
         return None
     block = max(1, spec.block_rows)
     for leaf, (dtype, shape) in whole.items():
@@ -423,7 +423,7 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
             raise refuse(m, comp, f"act-order g_idx cannot be stored in {opts.to}")  # planned as lossy
         try:
             return tgt.encode(qt, spec, write_g_idx)
-        except ValueError as exc:             # data the header-level plan could not see (zero points)
+        except NotStorable as exc:             # data the header-level plan could not see (zero points)
             raise refuse(m, comp, f"cannot be stored as {opts.to}: {exc}") from None
 
     def encoded(settings: dict, into: Tally | None = None):
@@ -499,7 +499,7 @@ def _quant_config(comp: Component, opts: Options, specs: dict[str, QuantSpec], d
     try:
         return registered_target(opts.to).config(WriteContext(specs, unquantized, desc_act, src_qc,
                                                               settings or {}, requantized))
-    except ValueError as exc:
+    except NotStorable as exc:
         raise UnsupportedFormat(f"cannot be written as {opts.to}: {exc}", file=comp.path) from None
 
 
@@ -555,7 +555,7 @@ def _plan(comp: Component, opts: Options) -> _Planned:
     if tgt.share is not None:
         try:
             settings = tgt.share(settings)
-        except ValueError as exc:
+        except NotStorable as exc:
             raise UnsupportedFormat(f"cannot be written as {opts.to}: {exc}", file=comp.path) from None
     for m in modules:
         for t in writers[m.name](settings[m.name]):
@@ -566,7 +566,7 @@ def _plan(comp: Component, opts: Options) -> _Planned:
     if tgt.arrange is not None:                 # as its loaders name and shape them (MLX: stacked experts)
         try:
             outputs = tgt.arrange(outputs)
-        except ValueError as exc:
+        except NotStorable as exc:
             raise UnsupportedFormat(f"cannot be written as {opts.to}: {exc}", file=comp.path) from None
     config = without_quantization(comp.config) if comp.config is not None else {}
     config["quantization_config"] = _quant_config(comp, opts, specs, bool(act_order_kept), settings,

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..errors import CorruptCheckpoint, UnsupportedFormat
+from ..errors import CorruptCheckpoint, NotStorable, UnsupportedFormat
 from ..formats.core.detect import METHOD_NAMES, Detection
 from ..formats.core.experts import is_fused_name, split_module, why_not_split
 from ..formats.core.ir import FloatSpec, FloatWeight, QuantSpec
@@ -158,7 +158,7 @@ def split_experts(comp: Component, m: QuantModule, opts: Options) -> list[QuantM
     if why is None:
         try:
             views = split_module(m)
-        except ValueError as exc:
+        except NotStorable as exc:
             why = f"{exc}"
     if why is None and any(v.details["rows_of"][1] % step or v.out_features % step for v in views):
         why = f"its experts do not start on its format's {step}-row windows"

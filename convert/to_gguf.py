@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..errors import CorruptCheckpoint, OutputError, UnsupportedFormat, UsageError
+from ..errors import CorruptCheckpoint, NotStorable, OutputError, UnsupportedFormat, UsageError
 from ..formats.core.activation import activation_report
 from ..formats.core.experts import split_interleaved
 from ..formats.core.layout import QuantModule, natural_key
@@ -174,7 +174,7 @@ def _module_out(comp, det, m: QuantModule, opts: Options, arch, name: str, src_d
                     lossy = "scales do not fit float16 (they would be infinite or 0)"
                 else:
                     st.scale_rounding(exact, stored)
-            except ValueError as exc:
+            except NotStorable as exc:
                 lossy = f"its codes do not fit {type_name} ({exc})"
         if lossy and type_name == "MXFP4":             # planned from e8m0 scales, which always fit
             raise UnsupportedFormat(f"cannot be written as MXFP4: {lossy}", tensor=m.name,
@@ -330,7 +330,7 @@ def _experts_of(comp: Component, m: QuantModule, opts: Options) -> list[QuantMod
     if m.details.get("interleaved") and arch is not None and arch.moe:
         try:
             return split_interleaved(m)
-        except ValueError as exc:
+        except NotStorable as exc:
             raise UnsupportedFormat(f"holds fused MoE experts that cannot be split into llama.cpp's gate and up "
                                     f"experts: {exc}", file=comp.tensors[m.weight_tensors[0]].file,
                                     tensor=m.name) from None

@@ -21,7 +21,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ...errors import CorruptCheckpoint
+from ...errors import CorruptCheckpoint, NotStorable
 from .header import AWQ_ORDER, BITS, PACK, SCALE_DTYPES, check, parse_config
 from ..core.ir import QuantSpec, QuantTensor
 from ..core.layout import QuantModule
@@ -47,12 +47,12 @@ def pack_interleaved(codes_t: np.ndarray) -> np.ndarray:
     c = np.asarray(codes_t)
     n, rows = c.shape
     if n % PACK:
-        raise ValueError(f"{n} output channels are not a multiple of {PACK}")
+        raise NotStorable(f"{n} output channels are not a multiple of {PACK}")
     if c.dtype == np.uint8:
         if c.size and int(c.max()) >> BITS:
-            raise ValueError(f"codes do not fit in {BITS} bits")
+            raise NotStorable(f"codes do not fit in {BITS} bits")
     elif c.size and (int(c.min()) < 0 or int(c.max()) >> BITS):
-        raise ValueError(f"codes do not fit in {BITS} bits")
+        raise NotStorable(f"codes do not fit in {BITS} bits")
     c3 = c.reshape(n // PACK, PACK, rows)
     wt = np.zeros((n // PACK, rows), dtype=np.uint32)
     for i, col in enumerate(AWQ_ORDER):          # one eighth of the codes widened at a time
@@ -71,7 +71,7 @@ def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, 
     out, inp = m.out_features, m.in_features
     r0, r1 = rows or (0, out)
     if r0 % PACK or r1 % PACK or not 0 <= r0 <= r1 <= out:
-        raise ValueError(f"rows {r0}:{r1} of {m.name} are not whole words of {PACK} output channels")
+        raise NotStorable(f"rows {r0}:{r1} of {m.name} are not whole words of {PACK} output channels")
     words = (r0 // PACK, r1 // PACK)
     codes = unpack_interleaved(read_array(qweight, cols=words))                       # [rows, in]
     zeros = unpack_interleaved(read_array(zeros_info, cols=words))                    # [rows, G]
@@ -90,11 +90,11 @@ def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, 
 def _groups(spec: QuantSpec, inp: int) -> int:
     gs = spec.group_size
     if gs is None or gs == 0 or gs < -1:
-        raise ValueError(f"group_size {gs!r} is not a positive integer or -1")
+        raise NotStorable(f"group_size {gs!r} is not a positive integer or -1")
     if gs == -1:
         return 1
     if inp % gs:
-        raise ValueError(f"{inp} input channels are not a whole number of groups of {gs} (AWQ GEMM "
+        raise NotStorable(f"{inp} input channels are not a whole number of groups of {gs} (AWQ GEMM "
                          f"needs in % group_size == 0)")
     return inp // gs
 
@@ -102,16 +102,16 @@ def _groups(spec: QuantSpec, inp: int) -> int:
 def _scale_code(spec: QuantSpec, scale_dtype: str | None) -> str:
     code = scale_dtype or spec.scale_dtype
     if code not in SCALE_DTYPES:
-        raise ValueError(f"AWQ GEMM stores {' or '.join(SCALE_DTYPES)} scales, not {code!r}; pass "
+        raise NotStorable(f"AWQ GEMM stores {' or '.join(SCALE_DTYPES)} scales, not {code!r}; pass "
                          f"scale_dtype='F16' (AutoAWQ) or 'BF16' (GPTQModel) to choose the rounding")
     return code
 
 
 def _refuse_spec(spec: QuantSpec) -> None:
     if spec.scheme != "int" or spec.bits != BITS:
-        raise ValueError(f"AWQ GEMM stores 4-bit integer codes, not {spec.name}")
+        raise NotStorable(f"AWQ GEMM stores 4-bit integer codes, not {spec.name}")
     if spec.scale_divisor != 1:
-        raise ValueError("AWQ GEMM stores plain scales (no scale divisor)")
+        raise NotStorable("AWQ GEMM stores plain scales (no scale divisor)")
 
 
 def leaves(spec: QuantSpec, shape: tuple[int, int], scale_dtype: str | None = None
@@ -120,7 +120,7 @@ def leaves(spec: QuantSpec, shape: tuple[int, int], scale_dtype: str | None = No
     _refuse_spec(spec)
     out, inp = shape
     if out % PACK:
-        raise ValueError(f"{out} output channels are not a multiple of {PACK}")
+        raise NotStorable(f"{out} output channels are not a multiple of {PACK}")
     groups = _groups(spec, inp)
     return {"qweight": ("I32", (inp, out // PACK)),
             "qzeros": ("I32", (groups, out // PACK)),
@@ -136,11 +136,11 @@ def encode(qt: QuantTensor, scale_dtype: str | None = None) -> dict[str, tuple[s
     out, inp = qt.shape
     groups = _groups(spec, inp)
     if qt.g_idx is not None and not np.array_equal(np.asarray(qt.g_idx), _trivial_groups(spec, inp)):
-        raise ValueError("AWQ GEMM has no g_idx: act-order (permuted groups) cannot be stored")
+        raise NotStorable("AWQ GEMM has no g_idx: act-order (permuted groups) cannot be stored")
     if qt.zeros is None:
-        raise ValueError("AWQ GEMM stores zero points; this QuantTensor has none")
+        raise NotStorable("AWQ GEMM stores zero points; this QuantTensor has none")
     if qt.codes.shape != (out, inp) or qt.zeros.shape != (out, groups) or qt.scales.shape != (out, groups):
-        raise ValueError(f"codes {list(qt.codes.shape)}, zeros {list(qt.zeros.shape)}, scales "
+        raise NotStorable(f"codes {list(qt.codes.shape)}, zeros {list(qt.zeros.shape)}, scales "
                          f"{list(qt.scales.shape)} do not fit [{out}, {inp}] in {groups} groups")
     code = _scale_code(spec, scale_dtype)
     return {"qweight": ("I32", pack_interleaved(qt.codes)),

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ...errors import CorruptCheckpoint, UnsupportedFormat
+from ...errors import CorruptCheckpoint, NotStorable, UnsupportedFormat
 from ..core.layout import QuantModule, common, int_scheme, natural_key, not_converted_by
 from ..gptq import header as gptq
 from ..gptq.header import AUTO_ROUND_AWQ, is_auto_round
@@ -290,18 +290,18 @@ def config_for(spec, modules_to_not_convert=None, group_size=None, zero_point=No
     F16 or BF16 (checked here, not written: AWQ configs carry no scale dtype). ``lm_head`` is written
     only when true (vLLM's awq_marlin then quantizes ParallelLMHead)."""
     if getattr(spec, "scheme", None) != "int" or spec.bits != BITS:
-        raise ValueError(f"AWQ GEMM stores 4-bit integer codes, not {getattr(spec, 'name', spec)!r}")
+        raise NotStorable(f"AWQ GEMM stores 4-bit integer codes, not {getattr(spec, 'name', spec)!r}")
     if getattr(spec, "scale_divisor", 1) != 1:
-        raise ValueError("AWQ GEMM stores plain scales (no scale divisor)")
+        raise NotStorable("AWQ GEMM stores plain scales (no scale divisor)")
     if group_size is None:
         group_size = spec.group_size
     if not isinstance(group_size, int) or isinstance(group_size, bool) or not (group_size == -1 or group_size > 0):
-        raise ValueError(f"group_size {group_size!r} is not a positive integer or -1")
+        raise NotStorable(f"group_size {group_size!r} is not a positive integer or -1")
     if zero_point is None:
         zero_point = not spec.symmetric
     code = scale_dtype or spec.scale_dtype
     if code not in SCALE_DTYPES:
-        raise ValueError(f"AWQ GEMM stores F16 or BF16 scales, not {code!r}")
+        raise NotStorable(f"AWQ GEMM stores F16 or BF16 scales, not {code!r}")
     cfg = {"quant_method": "awq", "bits": BITS, "group_size": group_size, "zero_point": bool(zero_point),
            "version": LAYOUT, "format": LAYOUT,
            "modules_to_not_convert": None if modules_to_not_convert is None else list(modules_to_not_convert)}
@@ -342,10 +342,10 @@ def writer_leaves(spec, shape: tuple[int, int], g_idx: bool) -> dict[str, tuple[
     """What awq_codec.encode stores (stdlib, predicted before any data)."""
     out, inp = shape
     if spec.scheme != "int" or spec.bits != BITS or spec.group_size <= 0 or inp % spec.group_size:
-        raise ValueError(f"AWQ GEMM stores 4-bit codes in whole groups along in, not {spec.name} in groups "
+        raise NotStorable(f"AWQ GEMM stores 4-bit codes in whole groups along in, not {spec.name} in groups "
                          f"of {spec.group_size} over {inp} inputs")
     if out % PACK:
-        raise ValueError(f"{out} output channels are not a multiple of {PACK} (AWQ packs along out)")
+        raise NotStorable(f"{out} output channels are not a multiple of {PACK} (AWQ packs along out)")
     groups = inp // spec.group_size
     return {"qweight": ("I32", (inp, out // PACK)), "qzeros": ("I32", (groups, out // PACK)),
             "scales": (spec.scale_dtype, (groups, out))}
@@ -358,7 +358,7 @@ def writer_config(ctx) -> dict:
     specs = list(ctx.specs.values())
     groups = sorted({s.group_size for s in specs})
     if len(groups) != 1:
-        raise ValueError(f"AWQ stores one group size per checkpoint; these modules have {groups}")
+        raise NotStorable(f"AWQ stores one group size per checkpoint; these modules have {groups}")
     not_converted = sorted((n for n in ctx.unquantized if "embed" not in n.rsplit(".", 1)[-1]), key=natural_key)
     return config_for(specs[0], modules_to_not_convert=not_converted, group_size=groups[0],
                       zero_point=not all(s.symmetric for s in specs))

@@ -9,7 +9,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ...errors import CorruptCheckpoint, UnsupportedFormat
+from ...errors import CorruptCheckpoint, NotStorable, UnsupportedFormat
 from .header import FOUR_BIT_TARGETS, packed_items, quant_state_json
 from ..core.ir import DoubleQuant, QuantSpec, QuantTensor
 from ..core.layout import QuantModule
@@ -106,7 +106,7 @@ def read_4bit(m: QuantModule, tensors: Mapping[str, TensorInfo],
     r0, r1 = rows or (0, m.out_features)
     step = four_bit_row_step(m)
     if r0 % step or (r1 % step and r1 != m.out_features) or not 0 <= r0 <= r1 <= m.out_features:
-        raise ValueError(f"rows {r0}:{r1} are not whole blocks of {m.name}")
+        raise NotStorable(f"rows {r0}:{r1} are not whole blocks of {m.name}")
     n = (r1 - r0) * m.in_features
     weight = tensors[m.name + ".weight"]
     if rows is None:
@@ -219,7 +219,7 @@ def encode_4bit(qt: QuantTensor) -> dict[str, tuple[str, np.ndarray]]:
     packed = pack_nibbles_high_first(qt.codes)
     itemsize = np.dtype(_STORAGE_NUMPY[storage]).itemsize
     if packed.size % itemsize:
-        raise ValueError(f"{packed.size} packed bytes cannot be stored as {storage}")
+        raise NotStorable(f"{packed.size} packed bytes cannot be stored as {storage}")
     out = {"weight": (storage, packed.view(_STORAGE_NUMPY[storage]).reshape(-1, 1))}
     dq = qt.double_quant
     if dq is None:

@@ -27,7 +27,7 @@ import math
 import re
 from typing import Mapping
 
-from ...errors import CorruptCheckpoint
+from ...errors import CorruptCheckpoint, NotStorable
 from ..core.layout import QuantModule, common, examples, natural_key
 from ..storage.safetensors_header import FLOAT_DTYPES, TensorInfo, read_small_tensors
 
@@ -338,7 +338,7 @@ def packed_items(n: int, storage: str) -> int:
     bytes are not a whole number of them."""
     nbytes = (n + 1) // 2
     if nbytes % _ITEMSIZE[storage]:
-        raise ValueError(f"{nbytes} packed bytes cannot be stored as {storage}")
+        raise NotStorable(f"{nbytes} packed bytes cannot be stored as {storage}")
     return nbytes // _ITEMSIZE[storage]
 
 

@@ -22,7 +22,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ...errors import CorruptCheckpoint, UnsupportedFormat
+from ...errors import CorruptCheckpoint, NotStorable, UnsupportedFormat
 from .header import (FP8_TARGET, INT, input_scale_dtype, MXFP4_GROUP, MXFP4_TARGET, NAIVE, NVFP4, NVFP4_GROUP, NVFP4_TARGET, PACKED,
                      READABLE_FORMATS, mxfp4_leaves,
                      _PADDED_BITS, _SCALE_DTYPES, _padded_range, check, float_leaves, fused_group, leaves,
@@ -47,7 +47,7 @@ def unpack_dense(words: np.ndarray, bits: int, n: int, axis: int) -> np.ndarray:
     w = np.asarray(words)
     have = w.shape[axis]
     if have != math.ceil(n * bits / 32):
-        raise ValueError(f"{have} words along axis {axis} do not hold {n} {bits}-bit codes")
+        raise NotStorable(f"{have} words along axis {axis} do not hold {n} {bits}-bit codes")
     if 32 % bits and have % bits:                     # whole runs of b words for unpack_int32
         pad = [(0, 0)] * w.ndim
         pad[axis] = (0, bits - have % bits)
@@ -126,7 +126,7 @@ def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, 
     name, bits, out = m.name, m.bits, m.out_features
     r0, r1 = rows or (0, out)
     if (r0 % 32 or (r1 % 32 and r1 != out)) or not 0 <= r0 <= r1 <= out:
-        raise ValueError(f"rows {r0}:{r1} of {name} are not whole runs of 32 output channels")
+        raise NotStorable(f"rows {r0}:{r1} of {name} are not whole runs of 32 output channels")
     window = None if rows is None else (r0, r1)
     if m.details.get("layout") in ("fp8", "fp4"):
         return read_float(m, tensors, dtype, rows)
@@ -237,29 +237,29 @@ def encode(qt: QuantTensor, fmt: str = PACKED, scale_dtype: str | None = None
     weight_g_idx, as compressed-tensors up to 0.18 did (0.19 and later refuse it)."""
     spec = qt.spec
     if fmt not in READABLE_FORMATS:
-        raise ValueError(f"compressed-tensors format {fmt!r} is not one qconv writes "
+        raise NotStorable(f"compressed-tensors format {fmt!r} is not one qconv writes "
                          f"({', '.join(READABLE_FORMATS)})")
     if spec.scheme != "int" or spec.scale_divisor != 1:
-        raise ValueError("compressed-tensors encodes integer codes with plain scales (scale_divisor 1)")
+        raise NotStorable("compressed-tensors encodes integer codes with plain scales (scale_divisor 1)")
     bits = spec.bits
     if not 1 <= bits <= 8:
-        raise ValueError(f"compressed-tensors stores 1- to 8-bit codes, not {bits}-bit ones")
+        raise NotStorable(f"compressed-tensors stores 1- to 8-bit codes, not {bits}-bit ones")
     sdt = scale_dtype or spec.scale_dtype
     if sdt not in _SCALE_DTYPES:
-        raise ValueError(f"scale dtype {sdt!r}: compressed-tensors scales are {', '.join(_SCALE_DTYPES)}")
+        raise NotStorable(f"scale dtype {sdt!r}: compressed-tensors scales are {', '.join(_SCALE_DTYPES)}")
     offset = 1 << (bits - 1)
     out, inp = qt.shape
     codes, zeros = np.asarray(qt.codes), qt.zeros
     if codes.shape != (out, inp):
-        raise ValueError(f"codes have shape {codes.shape}, expected {(out, inp)}")
+        raise NotStorable(f"codes have shape {codes.shape}, expected {(out, inp)}")
     if codes.size and int(codes.max()) >> bits:
-        raise ValueError(f"codes do not fit in {bits} bits")
+        raise NotStorable(f"codes do not fit in {bits} bits")
     if spec.symmetric:
         if zeros is not None and np.any(zeros != offset):
-            raise ValueError(f"a symmetric compressed-tensors module stores no zero point, so every "
+            raise NotStorable(f"a symmetric compressed-tensors module stores no zero point, so every "
                              f"zero must be {offset} (2^(b-1)); write it as asymmetric instead")
     elif zeros is None or (zeros.size and int(np.max(zeros)) >> bits):
-        raise ValueError(f"asymmetric zero points must be given and fit in {bits} bits")
+        raise NotStorable(f"asymmetric zero points must be given and fit in {bits} bits")
     scales = encode_float(np.ascontiguousarray(qt.scales), sdt)
     res: dict[str, tuple[str, np.ndarray]] = {}
     if fmt == PACKED:
@@ -454,11 +454,11 @@ def encode_fp8(qt: QuantTensor, spec: QuantSpec) -> dict[str, tuple[str, np.ndar
     if spec.group_size > 0:
         blocks = scales[:: spec.block_rows]
         if not np.array_equal(blocks[np.arange(out) // spec.block_rows], scales):
-            raise ValueError(f"rows of one {spec.block_rows}-row block hold different scales")
+            raise NotStorable(f"rows of one {spec.block_rows}-row block hold different scales")
     elif spec.block_rows == 0:                   # per tensor: one scale, [1]
         blocks = scales.reshape(-1)[:1]
         if scales.size and not (scales == blocks[0]).all():
-            raise ValueError("a per-tensor module holds different scales")
+            raise NotStorable("a per-tensor module holds different scales")
     else:
         blocks = scales
     res = {"weight": ("F8_E4M3", np.ascontiguousarray(qt.codes, dtype=np.uint8)),
@@ -470,7 +470,7 @@ def encode_fp8(qt: QuantTensor, spec: QuantSpec) -> dict[str, tuple[str, np.ndar
     planned = float_leaves(spec, qt.shape, scale_dtype=sdt, input_scale=input_scale)
     stored = {leaf: (d, tuple(a.shape)) for leaf, (d, a) in res.items()}
     if stored != planned:
-        raise ValueError(f"stores {stored}, but {planned} were planned")
+        raise NotStorable(f"stores {stored}, but {planned} were planned")
     return res
 
 
@@ -666,7 +666,7 @@ def encode_nvfp4(qt: QuantTensor, spec: QuantSpec) -> dict[str, tuple[str, np.nd
     input_global_scale (float32 [1]): what nvfp4_leaves predicts."""
     codes = np.ascontiguousarray(qt.codes, dtype=np.uint8)
     if codes.size and int(codes.max()) > 0xF:
-        raise ValueError("e2m1 codes do not fit in 4 bits")
+        raise NotStorable("e2m1 codes do not fit in 4 bits")
     res = {"weight_packed": ("U8", np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << 4))),
            "weight_scale": ("F8_E4M3", e4m3_bytes(qt.group_scales)),
            "weight_global_scale": ("F32", np.array([qt.global_scale], dtype=np.float32))}
@@ -675,7 +675,7 @@ def encode_nvfp4(qt: QuantTensor, spec: QuantSpec) -> dict[str, tuple[str, np.nd
     planned = nvfp4_leaves(spec, qt.shape, input_global_scale=qt.input_scale)
     stored = {leaf: (d, tuple(a.shape)) for leaf, (d, a) in res.items()}
     if stored != planned:
-        raise ValueError(f"stores {stored}, but {planned} were planned")
+        raise NotStorable(f"stores {stored}, but {planned} were planned")
     return res
 
 
@@ -766,15 +766,15 @@ def encode_mxfp4(qt: QuantTensor, spec: QuantSpec) -> dict[str, tuple[str, np.nd
     e8m0 exponent of each group's power-of-two scale): what mxfp4_leaves predicts."""
     codes = np.ascontiguousarray(qt.codes, dtype=np.uint8)
     if codes.size and int(codes.max()) > 0xF:
-        raise ValueError("e2m1 codes do not fit in 4 bits")
+        raise NotStorable("e2m1 codes do not fit in 4 bits")
     scales = np.asarray(qt.scales, dtype=np.float32)
     mantissa, exponent = np.frexp(scales)
     if scales.size and not (np.all(mantissa == 0.5) and np.all((exponent >= -126) & (exponent <= 128))):
-        raise ValueError("scales that are not powers of two from 2^-127 to 2^127 (e8m0)")
+        raise NotStorable("scales that are not powers of two from 2^-127 to 2^127 (e8m0)")
     res = {"weight_packed": ("U8", np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << 4))),
            "weight_scale": ("U8", np.ascontiguousarray((exponent + 126).astype(np.uint8)))}
     planned = mxfp4_leaves(spec, qt.shape)
     stored = {leaf: (d, tuple(a.shape)) for leaf, (d, a) in res.items()}
     if stored != planned:
-        raise ValueError(f"stores {stored}, but {planned} were planned")
+        raise NotStorable(f"stores {stored}, but {planned} were planned")
     return res

@@ -68,7 +68,7 @@ import re
 from dataclasses import replace
 from typing import TYPE_CHECKING, Iterable, Mapping
 
-from ...errors import CorruptCheckpoint, UnsupportedFormat
+from ...errors import CorruptCheckpoint, NotStorable, UnsupportedFormat
 from ..core.layout import (FUSED_LAYER_NAMES, NVFP4_GROUP, QuantModule, check_nvfp4_shape, fused_group,  # noqa: F401
                            int_scheme, natural_key)
 from ..storage.safetensors_header import DTYPES, TensorInfo, read_small_tensors
@@ -821,10 +821,10 @@ def leaves(spec: "QuantSpec", shape: tuple[int, int], fmt: str = PACKED, *, scal
     """Leaf name -> (safetensors dtype, shape) of what ct_codec.encode stores for a ``spec`` weight of
     ``shape`` [out, in] in ``fmt``, predicted before any data exists."""
     if fmt not in READABLE_FORMATS:
-        raise ValueError(f"compressed-tensors format {fmt!r} is not one qconv writes "
+        raise NotStorable(f"compressed-tensors format {fmt!r} is not one qconv writes "
                          f"({', '.join(READABLE_FORMATS)})")
     if spec.scheme != "int" or not 1 <= spec.bits <= 8:
-        raise ValueError(f"compressed-tensors stores 1- to 8-bit integer codes, not {spec.name}")
+        raise NotStorable(f"compressed-tensors stores 1- to 8-bit integer codes, not {spec.name}")
     out, inp = shape
     bits = spec.bits
     g = _groups(spec.group_size, inp)
@@ -875,19 +875,19 @@ def config_for(specs_by_module: Mapping[str, "QuantSpec"], ignore: Iterable[str]
     the compressed-tensors release whose layout ct_codec.encode writes (dense sub-byte packing).
     """
     if fmt not in READABLE_FORMATS:
-        raise ValueError(f"compressed-tensors format {fmt!r} is not one qconv writes "
+        raise NotStorable(f"compressed-tensors format {fmt!r} is not one qconv writes "
                          f"({', '.join(READABLE_FORMATS)})")
     by_key: dict[tuple, list[str]] = {}
     for name in sorted(specs_by_module, key=natural_key):
         spec = specs_by_module[name]
         if spec.scheme != "int" or not 1 <= spec.bits <= 8:
-            raise ValueError(f"{name}: compressed-tensors stores 1- to 8-bit integer codes, not {spec.name}")
+            raise NotStorable(f"{name}: compressed-tensors stores 1- to 8-bit integer codes, not {spec.name}")
         if spec.scale_divisor != 1:
-            raise ValueError(f"{name}: compressed-tensors scales are plain multipliers (scale_divisor 1)")
+            raise NotStorable(f"{name}: compressed-tensors scales are plain multipliers (scale_divisor 1)")
         key = (int(spec.bits), int(spec.group_size) if spec.group_size > 0 else -1, bool(spec.symmetric))
         by_key.setdefault(key, []).append(name)
     if class_targets and len(by_key) > 1:
-        raise ValueError("a 'Linear' class target needs one config group; these modules need "
+        raise NotStorable("a 'Linear' class target needs one config group; these modules need "
                          f"{len(by_key)}")
     groups = {}
     for i, names in enumerate(by_key.values()):
@@ -948,12 +948,12 @@ def float_leaves(spec: "QuantSpec", shape: tuple[int, int], g_idx: bool = False,
     sdt = scale_dtype or spec.scale_dtype
     if spec.scheme != "e4m3" or spec.block_rows < 0 or (spec.group_size <= 0 and spec.block_rows > 1) \
             or (spec.group_size > 0 and spec.block_rows < 1):
-        raise ValueError(f"compressed-tensors float-quantized stores e4m3 codes per tensor, per channel or in 2-D "
+        raise NotStorable(f"compressed-tensors float-quantized stores e4m3 codes per tensor, per channel or in 2-D "
                          f"blocks, not {spec.name} in blocks of {spec.block_rows} x {spec.group_size}")
     if g_idx:
-        raise ValueError("compressed-tensors float-quantized stores no g_idx")
+        raise NotStorable("compressed-tensors float-quantized stores no g_idx")
     if sdt not in _SCALE_DTYPES:
-        raise ValueError(f"scale dtype {sdt!r}: compressed-tensors scales are {', '.join(_SCALE_DTYPES)}")
+        raise NotStorable(f"scale dtype {sdt!r}: compressed-tensors scales are {', '.join(_SCALE_DTYPES)}")
     scales = ((1,) if spec.block_rows == 0 else (out, 1) if spec.group_size <= 0
               else (-(-out // spec.block_rows), -(-inp // spec.group_size)))
     leaves = {"weight": ("F8_E4M3", (out, inp)), "weight_scale": (sdt, scales)}
@@ -1011,7 +1011,7 @@ def float_config(ctx) -> dict:
     for name in sorted(ctx.specs, key=natural_key):
         spec = ctx.specs[name]
         if spec.scheme != "e4m3":
-            raise ValueError(f"{name}: compressed-tensors-fp8 stores e4m3 codes, not {spec.name}")
+            raise NotStorable(f"{name}: compressed-tensors-fp8 stores e4m3 codes, not {spec.name}")
         static = ctx.settings.get(name, {}).get("input_scale") is not None
         key = (int(spec.block_rows), int(spec.group_size) if spec.group_size > 0 else -1, static)
         by_structure.setdefault(key, []).append(name)
@@ -1065,7 +1065,7 @@ def _fp4_config(ctx, target: str, fmt: str, strategy: str, group_size: int, scal
                 static=lambda name: False) -> dict:
     for name, spec in ctx.specs.items():
         if spec.scheme != "e2m1":
-            raise ValueError(f"{name}: {target} stores e2m1 codes, not {spec.name}")
+            raise NotStorable(f"{name}: {target} stores e2m1 codes, not {spec.name}")
     weights = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": group_size,
                "num_bits": 4, "observer": None, "observer_kwargs": {}, "scale_dtype": scale_dtype,
                "strategy": strategy, "symmetric": True, "type": "float", "zp_dtype": None}
@@ -1099,9 +1099,9 @@ def mxfp4_leaves(spec: "QuantSpec", shape: tuple[int, int], g_idx: bool = False,
     U8 [out, in/2] (the even element in the low nibble) and e8m0 exponents ``weight_scale`` U8 [out, in/32]."""
     out, inp = shape
     if spec.scheme != "e2m1" or spec.group_size != MXFP4_GROUP or g_idx:
-        raise ValueError(f"compressed-tensors MXFP4 stores e2m1 codes in groups of {MXFP4_GROUP}, not {spec.name}")
+        raise NotStorable(f"compressed-tensors MXFP4 stores e2m1 codes in groups of {MXFP4_GROUP}, not {spec.name}")
     if inp % MXFP4_GROUP:
-        raise ValueError(f"{inp} input features are not whole groups of {MXFP4_GROUP}")
+        raise NotStorable(f"{inp} input features are not whole groups of {MXFP4_GROUP}")
     return {"weight_packed": ("U8", (out, inp // 2)), "weight_scale": ("U8", (out, inp // MXFP4_GROUP))}
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping
 
+from ...errors import NotStorable
 from .layout import QuantModule
 
 # model types whose fused experts are transformers' qwen2_moe conversion (conversion_mapping.py's
@@ -57,7 +58,7 @@ def split_names(name: str, experts: int, rows: int) -> list[tuple[str, int, int]
     prefix, leaf = name.rsplit(".", 1)
     if leaf == "gate_up_proj":
         if rows % 2:
-            raise ValueError(f"{rows} gate_up_proj rows per expert: not a gate half and an up half")
+            raise NotStorable(f"{rows} gate_up_proj rows per expert: not a gate half and an up half")
         parts = [("gate_proj", 0, rows // 2), ("up_proj", rows // 2, rows // 2)]
     else:
         parts = [("down_proj", 0, rows)]
@@ -81,7 +82,7 @@ def split_interleaved(m: QuantModule) -> list[QuantModule]:
     Raises ValueError where the rows do not pair up."""
     rows = m.out_features // m.experts
     if rows % 2:
-        raise ValueError(f"{rows} interleaved gate_up_proj rows per expert: not gate / up pairs")
+        raise NotStorable(f"{rows} interleaved gate_up_proj rows per expert: not gate / up pairs")
     prefix = m.name.rsplit(".", 1)[0]
     return [replace(m, name=f"{prefix}.{e}.{sub}", out_features=rows // 2, experts=0,
                     details={**m.details, "rows_of": (m, e * rows + offset), "row_step": 2})

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from ...errors import NotStorable
+
 # Scheme names used in reports: int<bits> for integer codes (bnb int8 and GPTQ 8-bit are both int8),
 # nf4 / fp4 for bitsandbytes' 4-bit code books.
 def int_scheme(bits: int) -> str:
@@ -32,12 +34,12 @@ def check_nvfp4_shape(spec, shape: tuple[int, int], g_idx: bool, dialect: str, g
     """What every NVFP4 writer's leaves require of a module (ValueError otherwise): e2m1 codes in groups
     of 16 under a global scale of the dialect's kind ("divisor" or "multiplier"), whole groups, no g_idx."""
     if spec.scheme != "e2m1" or spec.group_size != NVFP4_GROUP or spec.global_scale != global_scale:
-        raise ValueError(f"{dialect} NVFP4 stores e2m1 codes in groups of {NVFP4_GROUP} under a global "
+        raise NotStorable(f"{dialect} NVFP4 stores e2m1 codes in groups of {NVFP4_GROUP} under a global "
                          f"{global_scale}, not {spec.name} in groups of {spec.group_size}")
     if g_idx:
-        raise ValueError(f"{dialect} NVFP4 stores no g_idx")
+        raise NotStorable(f"{dialect} NVFP4 stores no g_idx")
     if shape[1] % NVFP4_GROUP:
-        raise ValueError(f"{shape[1]} input features are not a whole number of NVFP4 groups of {NVFP4_GROUP}")
+        raise NotStorable(f"{shape[1]} input features are not a whole number of NVFP4 groups of {NVFP4_GROUP}")
 
 
 def fused_group(name: str) -> str:

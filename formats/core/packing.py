@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...errors import NotStorable
+
 
 def _bit_positions(bits: int):
     """(word, offset) of each code of a 32-code run."""
@@ -34,10 +36,10 @@ def packed_length(n_codes: int, bits: int) -> int:
     if 32 % bits == 0:
         per_word = 32 // bits
         if n_codes % per_word:
-            raise ValueError(f"{n_codes} codes of {bits} bits do not fill whole 32-bit words")
+            raise NotStorable(f"{n_codes} codes of {bits} bits do not fill whole 32-bit words")
         return n_codes // per_word
     if n_codes % 32:
-        raise ValueError(f"{bits}-bit packing needs a multiple of 32 codes, got {n_codes}")
+        raise NotStorable(f"{bits}-bit packing needs a multiple of 32 codes, got {n_codes}")
     return n_codes // 32 * bits
 
 
@@ -51,7 +53,7 @@ def unpack_int32(words: np.ndarray, bits: int, axis: int = 0) -> np.ndarray:
         codes = ((w[:, None] >> shifts) & mask).reshape((w.shape[0] * per_word,) + w.shape[1:])
     else:
         if w.shape[0] % bits:
-            raise ValueError(f"{w.shape[0]} words are not whole runs of {bits} words")
+            raise NotStorable(f"{w.shape[0]} words are not whole runs of {bits} words")
         runs = w.reshape((w.shape[0] // bits, bits) + w.shape[1:])
         word, offset = _bit_positions(bits)
         codes = np.empty((runs.shape[0], 32) + w.shape[1:], dtype=np.uint32)
@@ -101,7 +103,7 @@ def pack_int32(codes: np.ndarray, bits: int, axis: int = 0) -> np.ndarray:
     c = np.moveaxis(np.asarray(codes), axis, 0)
     if bits < 8 or c.dtype != np.uint8:
         if np.any(c.astype(np.uint32) >> np.uint32(bits)):
-            raise ValueError(f"codes do not fit in {bits} bits")
+            raise NotStorable(f"codes do not fit in {bits} bits")
     n = c.shape[0]
     nwords = packed_length(n, bits)
     if bits in (2, 4, 8):
@@ -129,7 +131,7 @@ def unpack_nibbles_high_first(packed: np.ndarray, n: int) -> np.ndarray:
     """bitsandbytes 4-bit bytes (any storage dtype: the bytes are what count) -> n uint8 codes."""
     b = np.ascontiguousarray(packed).view(np.uint8).reshape(-1)
     if b.size * 2 < n:
-        raise ValueError(f"{b.size} bytes hold {b.size * 2} codes, fewer than {n}")
+        raise NotStorable(f"{b.size} bytes hold {b.size * 2} codes, fewer than {n}")
     out = np.empty(b.size * 2, dtype=np.uint8)
     out[0::2] = b >> 4
     out[1::2] = b & 0x0F
@@ -157,5 +159,5 @@ def pack_nibbles_low_first(codes: np.ndarray) -> np.ndarray:
     """The inverse of unpack_nibbles_low_first: codes [..., n] (n even) -> bytes [..., n/2]."""
     c = np.asarray(codes, dtype=np.uint8)
     if c.shape[-1] % 2:
-        raise ValueError(f"{c.shape[-1]} FP4 codes a row do not fill whole bytes")
+        raise NotStorable(f"{c.shape[-1]} FP4 codes a row do not fill whole bytes")
     return (c[..., 0::2] | (c[..., 1::2] << 4)).astype(np.uint8)

@@ -10,7 +10,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ...errors import CorruptCheckpoint
+from ...errors import CorruptCheckpoint, NotStorable
 from ..core.ir import QuantSpec, QuantTensor
 from ..core.layout import QuantModule
 from ..core.minifloat import E4M3_BOOK, E4M3_MAX
@@ -181,6 +181,6 @@ def encode_for(target: str, qt: QuantTensor, spec: QuantSpec, g_idx: bool) -> di
     out = qt.codes.shape[0]
     blocks = qt.scales[:: spec.block_rows]
     if not np.array_equal(blocks[np.arange(out) // spec.block_rows], qt.scales):
-        raise ValueError(f"rows of one {spec.block_rows}-row block hold different scales")
+        raise NotStorable(f"rows of one {spec.block_rows}-row block hold different scales")
     return {"weight": ("F8_E4M3", np.ascontiguousarray(qt.codes, dtype=np.uint8)),
             "weight_scale_inv": ("F32", np.ascontiguousarray(blocks, dtype=np.float32))}

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ...errors import CorruptCheckpoint, UnsupportedFormat
+from ...errors import CorruptCheckpoint, NotStorable, UnsupportedFormat
 from ..core.layout import QuantModule, common, not_converted_by, refuse_problems
 from ..storage.safetensors_header import DTYPES, TensorInfo
 
@@ -228,7 +228,7 @@ def writer_leaves(spec, shape: tuple[int, int], g_idx: bool) -> dict[str, tuple[
     layout; transformers' own CPU loader derives the block from the shapes and cannot read those)."""
     out, inp = shape
     if spec.scheme != "e4m3" or spec.block_rows <= 0 or spec.group_size <= 0:
-        raise ValueError(f"fine-grained FP8 stores e4m3 codes in 2-D blocks, not {spec.name} in blocks of "
+        raise NotStorable(f"fine-grained FP8 stores e4m3 codes in 2-D blocks, not {spec.name} in blocks of "
                          f"{spec.block_rows} x {spec.group_size}")
     return {"weight": (WEIGHT_DTYPE, (out, inp)),
             "weight_scale_inv": ("F32", (_ceil(out, spec.block_rows), _ceil(inp, spec.group_size)))}
@@ -240,7 +240,7 @@ def writer_config(ctx) -> dict:
     transformers both read it; transformers keeps lm_head in float by itself)."""
     blocks = sorted({(s.block_rows, s.group_size) for s in ctx.specs.values()})
     if len(blocks) != 1:
-        raise ValueError(f"fine-grained FP8 stores one weight_block_size per checkpoint; these modules have {blocks}")
+        raise NotStorable(f"fine-grained FP8 stores one weight_block_size per checkpoint; these modules have {blocks}")
     skip = sorted(n for n in ctx.unquantized if n.rsplit(".", 1)[-1] not in ("lm_head", "embed_tokens"))
     return {"activation_scheme": "dynamic", "dequantize": False, "expert_dtype": "fp8",
             "modules_to_convert": None, "modules_to_not_convert": skip or None, "quant_method": METHOD,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...errors import NotStorable
 from ..core.ir import QuantSpec, QuantTensor
 from .header import GGML_TYPES
 
@@ -109,10 +110,10 @@ def encode(qt: QuantTensor, type_name: str) -> tuple[np.ndarray, np.ndarray]:
         s = qt.scales[:, qt.groups[::QK]].astype(np.float32)
         mant, exp = np.frexp(s)
         if not np.all(mant == 0.5):
-            raise ValueError("MXFP4 scales are not powers of two")
+            raise NotStorable("MXFP4 scales are not powers of two")
         e = exp.astype(np.int32) - 1 + 127          # s = 2^(e - 127); e8m0 holds 0 .. 254 (255: NaN)
         if e.min(initial=0) < 0 or e.max(initial=0) > 254:
-            raise ValueError("MXFP4 scales are outside e8m0's range")
+            raise NotStorable("MXFP4 scales are outside e8m0's range")
         codes = qt.codes.reshape(out, nb, QK).astype(np.uint8)
         # ggml decodes kvalues[n] * 2^(e - 128) with kvalues doubled, so the same byte e gives e2m1 * s
         qs = (codes[:, :, :16] & 0xF) | ((codes[:, :, 16:] & 0xF) << 4)
@@ -125,13 +126,13 @@ def encode(qt: QuantTensor, type_name: str) -> tuple[np.ndarray, np.ndarray]:
     if type_name == "Q8_0":
         v = q - z
         if v.min(initial=0) < -128 or v.max(initial=0) > 127:
-            raise ValueError("8-bit codes minus their zero points do not fit int8")
+            raise NotStorable("8-bit codes minus their zero points do not fit int8")
         body = v.astype(np.int8).view(np.uint8)
         parts = [d, body]
     elif type_name in ("Q4_0", "Q4_1"):
         n = q - z + 8 if type_name == "Q4_0" else q
         if n.min(initial=0) < 0 or n.max(initial=0) > 15:
-            raise ValueError("codes do not fit Q4 nibbles")
+            raise NotStorable("codes do not fit Q4 nibbles")
         n = n.astype(np.uint8)
         qs = n[:, :, :16] | (n[:, :, 16:] << 4)
         if type_name == "Q4_0":
@@ -142,14 +143,14 @@ def encode(qt: QuantTensor, type_name: str) -> tuple[np.ndarray, np.ndarray]:
     elif type_name == "Q5_0":
         v = q - z + 16
         if v.min(initial=0) < 0 or v.max(initial=0) > 31:
-            raise ValueError("codes minus their zero points do not fit Q5_0")
+            raise NotStorable("codes minus their zero points do not fit Q5_0")
         v = v.astype(np.uint32)
         qh = ((v >> 4) << np.arange(QK, dtype=np.uint32)).sum(axis=2, dtype=np.uint32)
         low = (v & 0xF).astype(np.uint8)
         qs = low[:, :, :16] | (low[:, :, 16:] << 4)
         parts = [d, qh.astype("<u4").reshape(out, nb, 1).view(np.uint8), qs]
     else:
-        raise ValueError(f"no encoder for {type_name}")
+        raise NotStorable(f"no encoder for {type_name}")
     return np.concatenate(parts, axis=2).reshape(out, nb * TYPES[type_name][1]), s
 
 
@@ -211,7 +212,7 @@ def decode(blocks: np.ndarray, type_name: str, dtype: str) -> QuantTensor:
         codes = np.concatenate([qs & 0xF, qs >> 4], axis=2) | (high << 4)
         bits, zero = 5, 16
     else:
-        raise ValueError(f"{type_name} has no exact form in qconv's representation")
+        raise NotStorable(f"{type_name} has no exact form in qconv's representation")
     spec = QuantSpec("int", bits, QK, True, scale_dtype="F16")
     return QuantTensor(spec, (rows, nb * QK), dtype, codes=codes.reshape(rows, nb * QK).astype(np.uint8), scales=d,
                        zeros=np.full((rows, nb), zero, np.uint8))

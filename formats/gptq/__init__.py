@@ -2,6 +2,7 @@
 gptq family, the gptq dialect (auto-round's configs too), the gptq, gptq-v2 and auto-round targets (the
 AWQ packing auto-round picks for asymmetric 4-bit modules is declared by awq/)."""
 
+from ...errors import NotStorable
 from ..core.registry import Caps, Dialect, Family, Target, lazy, register, register_target, target
 from . import header as gptq
 
@@ -44,7 +45,7 @@ def auto_round_packing(modules) -> str | None:
             return False
         try:
             awq_target.leaves(spec, shape, False)
-        except ValueError:
+        except NotStorable:
             return False
         return True
 

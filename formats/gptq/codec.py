@@ -6,7 +6,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ...errors import CorruptCheckpoint, UnsupportedFormat
+from ...errors import CorruptCheckpoint, NotStorable, UnsupportedFormat
 from .header import AUTO_ROUND_READABLE, GPTQ_FORMATS, parse_config, per_module_settings
 from ..core.ir import QuantSpec, QuantTensor
 from ..core.layout import QuantModule
@@ -80,7 +80,7 @@ def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, 
     bits, out, inp = m.bits, m.out_features, m.in_features
     r0, r1 = rows or (0, out)
     if (r0 % 32 or (r1 % 32 and r1 != out)) or not 0 <= r0 <= r1 <= out:
-        raise ValueError(f"rows {r0}:{r1} of {m.name} are not whole runs of 32 output channels")
+        raise NotStorable(f"rows {r0}:{r1} of {m.name} are not whole runs of 32 output channels")
     encoding, word_carry = zero_decoding(qc)
     settings = (per_module_settings(qc, m.name) if qc else None) or {}
     groups = m.details["groups"]
@@ -121,7 +121,7 @@ def encode(qt: QuantTensor, *, zero_encoding: str = "v1") -> dict[str, tuple[str
     (never whole-word arithmetic)."""
     spec = qt.spec
     if spec.scheme != "int" or spec.scale_divisor != 1:
-        raise ValueError("GPTQ encodes integer codes with plain scales")
+        raise NotStorable("GPTQ encodes integer codes with plain scales")
     bits = spec.bits
     mask = (1 << bits) - 1
     zeros = qt.zeros.astype(np.int16)

@@ -19,6 +19,7 @@ from collections import Counter, defaultdict
 from dataclasses import replace
 from typing import Mapping
 
+from ...errors import NotStorable
 from ..core.layout import QuantModule, block_prefix, common, examples, int_scheme, natural_key  # noqa: F401
 from ..storage.safetensors_header import DTYPES, TensorInfo
 
@@ -310,10 +311,10 @@ def _words(n_codes: int, bits: int, what: str) -> int:
     """32-bit words for n_codes along a packed axis (ValueError where the layout cannot hold them)."""
     if 32 % bits == 0:
         if n_codes % (32 // bits):
-            raise ValueError(f"{n_codes} {what} of {bits} bits do not fill whole 32-bit words")
+            raise NotStorable(f"{n_codes} {what} of {bits} bits do not fill whole 32-bit words")
         return n_codes * bits // 32
     if n_codes % 32:
-        raise ValueError(f"{bits}-bit packing needs a multiple of 32 {what}, got {n_codes}")
+        raise NotStorable(f"{bits}-bit packing needs a multiple of 32 {what}, got {n_codes}")
     return n_codes // 32 * bits
 
 

@@ -22,7 +22,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ...errors import CorruptCheckpoint
+from ...errors import CorruptCheckpoint, NotStorable
 from ..core.ir import FloatSpec, FloatWeight, QuantSpec, QuantTensor
 from ..core.layout import QuantModule
 from ..core.minifloat import E2M1_BOOK, e8m0
@@ -52,7 +52,7 @@ def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     """uint8 codes [R, N] (N * bits a multiple of 32) -> uint32 [R, N * bits / 32], the inverse of unpack."""
     rows, n = codes.shape
     if (n * bits) % 32:
-        raise ValueError(f"{n} {bits}-bit codes do not fill whole 32-bit words")
+        raise NotStorable(f"{n} {bits}-bit codes do not fill whole 32-bit words")
     codes = np.ascontiguousarray(codes, dtype=np.uint8)
     if bits == 8:
         raw = codes
@@ -243,15 +243,15 @@ def retarget(qt: QuantTensor, spec: QuantSpec, settings: Mapping):
 def encode_for(target: str, qt: QuantTensor, spec: QuantSpec, g_idx: bool) -> dict[str, tuple[str, np.ndarray]]:
     """The module's weight, scales and biases (qt as retarget made it: scales already stored values)."""
     if qt.g_idx is not None or g_idx:
-        raise ValueError("MLX stores no g_idx")
+        raise NotStorable("MLX stores no g_idx")
     if qt.spec.scheme == "e2m1":                # mode mxfp4: e8m0 exponent bytes
         mantissa, exponent = np.frexp(np.asarray(qt.scales, np.float32))
         if qt.scales.size and not (np.all(mantissa == 0.5) and np.all((exponent >= -126) & (exponent <= 128))):
-            raise ValueError("scales that are not powers of two from 2^-127 to 2^127 (e8m0)")
+            raise NotStorable("scales that are not powers of two from 2^-127 to 2^127 (e8m0)")
         return {"weight": ("U32", pack(qt.codes, 4)), "scales": ("U8", (exponent + 126).astype(np.uint8))}
     code = qt.spec.scale_dtype
     biases = encode_float(_biases(qt.scales, qt.zeros, qt.spec.bits).astype(np.float32), code)
     if not all_finite(biases, code):
-        raise ValueError(f"biases -s * z beyond {FLOAT_NAMES[code]}'s range")
+        raise NotStorable(f"biases -s * z beyond {FLOAT_NAMES[code]}'s range")
     return {"weight": ("U32", pack(qt.codes, qt.spec.bits)), "scales": (code, encode_float(qt.scales, code)),
             "biases": (code, biases)}

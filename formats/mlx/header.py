@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ...errors import CorruptCheckpoint
+from ...errors import CorruptCheckpoint, NotStorable
 from ..core.layout import QuantModule, common, int_scheme, refuse_problems
 from ..storage.safetensors_header import DTYPES, TensorInfo
 
@@ -230,15 +230,15 @@ def writer_leaves(spec, shape: tuple[int, int], g_idx: bool, scale_dtype: str | 
     out, inp = shape
     if spec.scheme == "e2m1":                # mode mxfp4: codes and e8m0 exponents, no biases
         if spec.group_size != MXFP4_GROUP or spec.global_scale is not None or inp % MXFP4_GROUP or g_idx:
-            raise ValueError(f"MLX mxfp4 stores e2m1 in groups of 32 under one power-of-two scale each, not "
+            raise NotStorable(f"MLX mxfp4 stores e2m1 in groups of 32 under one power-of-two scale each, not "
                              f"groups of {spec.group_size} over {inp} inputs")
         return {"weight": ("U32", (out, inp // 8)), "scales": ("U8", (out, inp // MXFP4_GROUP))}
     if spec.scheme != "int" or spec.bits not in BITS:
-        raise ValueError(f"MLX affine stores {', '.join(map(str, BITS))}-bit integer codes, not {spec.name}")
+        raise NotStorable(f"MLX affine stores {', '.join(map(str, BITS))}-bit integer codes, not {spec.name}")
     if spec.group_size not in GROUPS or inp % spec.group_size:
-        raise ValueError(f"MLX affine takes groups of 32, 64 or 128 inputs that divide {inp}, not {spec.group_size}")
+        raise NotStorable(f"MLX affine takes groups of 32, 64 or 128 inputs that divide {inp}, not {spec.group_size}")
     if g_idx:
-        raise ValueError("MLX stores no g_idx")
+        raise NotStorable("MLX stores no g_idx")
     code = scale_dtype or spec.scale_dtype
     groups = inp // spec.group_size
     return {"weight": ("U32", (out, inp * spec.bits // 32)), "scales": (code, (out, groups)),
@@ -251,7 +251,7 @@ def writer_config(ctx) -> dict:
     settings = {(stacked_name(n) or (n, 0))[0]: (spec.bits, spec.group_size, MXFP4 if spec.scheme == "e2m1" else AFFINE)
                 for n, spec in ctx.specs.items()}
     if not settings:
-        raise ValueError("no quantized module")
+        raise NotStorable("no quantized module")
     counts: dict = {}
     for key in settings.values():
         counts[key] = counts.get(key, 0) + 1
@@ -332,10 +332,10 @@ def arrange(outputs: Mapping) -> dict:
             stacks.setdefault(f"{key[0]}.{leaf}", {})[key[1]] = t
     for name, parts in stacks.items():
         if sorted(parts) != list(range(len(parts))):
-            raise ValueError(f"{name}: experts {sorted(parts)} are not 0..{len(parts) - 1}")
+            raise NotStorable(f"{name}: experts {sorted(parts)} are not 0..{len(parts) - 1}")
         ordered = [parts[e] for e in range(len(parts))]
         if len({(t.dtype, tuple(t.shape)) for t in ordered}) != 1:
-            raise ValueError(f"{name}: its experts differ in dtype or shape, so they cannot be stacked")
+            raise NotStorable(f"{name}: its experts differ in dtype or shape, so they cannot be stacked")
         out[name] = replace(ordered[0], name=name, shape=(len(ordered), *ordered[0].shape),
                             chunks=lambda ts=tuple(ordered): (c for t in ts for c in t.chunks()))
     return out

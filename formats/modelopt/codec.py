@@ -15,7 +15,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ...errors import CorruptCheckpoint, UnsupportedFormat
+from ...errors import CorruptCheckpoint, NotStorable, UnsupportedFormat
 from ..core.ir import QuantSpec, QuantTensor
 from ..core.layout import QuantModule, fused_group
 from ..core.minifloat import E2M1_BOOK, E4M3, E4M3_NAN, e4m3_bytes
@@ -174,7 +174,7 @@ def share_nvfp4(settings: Mapping[str, dict]) -> dict[str, dict]:
         scales = {settings[n]["weight_scale_2"] for n in members}
         if len(scales) > 1:
             listed = ", ".join(f"{n} {np.float32(settings[n]['weight_scale_2'])!s}" for n in members)
-            raise ValueError(f"the fused modules {listed} have different weight global scales (as weight_scale_2); "
+            raise NotStorable(f"the fused modules {listed} have different weight global scales (as weight_scale_2); "
                              f"ModelOpt NVFP4 holds one for them (vLLM applies one to the fused layer) and their "
                              f"kept codes decode only under their own; --to {_OTHER_TARGET} keeps them as they are")
         joint = max(settings[n]["input_scale"] for n in members)
@@ -201,9 +201,9 @@ def encode_nvfp4(qt: QuantTensor, spec: QuantSpec) -> dict[str, tuple[str, np.nd
     weight_scale_2 and input_scale (float32, shape []): what header.nvfp4_leaves predicts."""
     codes = np.ascontiguousarray(qt.codes, dtype=np.uint8)
     if codes.size and int(codes.max()) > 0xF:
-        raise ValueError("e2m1 codes do not fit in 4 bits")
+        raise NotStorable("e2m1 codes do not fit in 4 bits")
     if qt.input_scale is None:
-        raise ValueError("no input_scale to store")
+        raise NotStorable("no input_scale to store")
     res = {"weight": ("U8", np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << 4))),
            "weight_scale": ("F8_E4M3", e4m3_bytes(qt.group_scales)),
            "weight_scale_2": ("F32", np.array(qt.global_scale, dtype=np.float32)),
@@ -211,12 +211,12 @@ def encode_nvfp4(qt: QuantTensor, spec: QuantSpec) -> dict[str, tuple[str, np.nd
     planned = nvfp4_leaves(spec, qt.shape)
     stored = {leaf: (d, tuple(a.shape)) for leaf, (d, a) in res.items()}
     if stored != planned:
-        raise ValueError(f"stores {stored}, but {planned} were planned")
+        raise NotStorable(f"stores {stored}, but {planned} were planned")
     return res
 
 
 def encode_for(target: str, qt: QuantTensor, spec: QuantSpec, g_idx: bool) -> dict:
     """The registry's encoder of the ModelOpt targets."""
     if target != NVFP4_TARGET:
-        raise ValueError(f"no ModelOpt encoder for {target!r}")
+        raise NotStorable(f"no ModelOpt encoder for {target!r}")
     return encode_nvfp4(qt, spec)

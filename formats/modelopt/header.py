@@ -43,6 +43,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Mapping
 
+from ...errors import NotStorable
 from ..core.layout import NVFP4_GROUP, QuantModule, check_nvfp4_shape, common, natural_key, refuse_problems
 from ..storage.safetensors_header import DTYPES, TensorInfo
 
@@ -281,7 +282,7 @@ def nvfp4_config(ctx) -> dict:
     as qconv's reader does; hf_quant_config.json, which only repeats it, is not written."""
     for name, spec in ctx.specs.items():
         if spec.scheme != "e2m1":
-            raise ValueError(f"{name}: {NVFP4_TARGET} stores e2m1 codes, not {spec.name}")
+            raise NotStorable(f"{name}: {NVFP4_TARGET} stores e2m1 codes, not {spec.name}")
     fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": NVFP4_GROUP}
     return {"config_groups": {"group_0": {"input_activations": dict(fp4), "weights": dict(fp4),
                                           "targets": ["Linear"]}},
