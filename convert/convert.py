@@ -7,12 +7,12 @@ Lossless paths (each module's codes carried over unchanged):
 * bitsandbytes int8 -> GPTQ / auto-round 8-bit, one group per output row, symmetric:
   q = CB + 128, z = 128, s = SCB / 127 stored in --scale-dtype (the only rounding; reported per run);
 * GPTQ 8-bit, one group per row, symmetric -> bitsandbytes int8: CB = q - 128, SCB recovered exactly
-  (bnb_codec.scb_from_scales), so both round trips are byte-identical;
+  (bnb.codec.scb_from_scales), so both round trips are byte-identical;
 * GPTQ v1 <-> v2 <-> auto-round (auto_round:auto_gptq): codes, scales and zero points repacked, zero
   points re-encoded one field at a time; bitsandbytes 4-bit repacks (storage dtype, double quant).
 
 Every other path requantizes each module from the source's exact weights (requantize.py for integers,
-bnb_codec.quantize_4bit for nf4/fp4) and reports the error it adds next to round-to-nearest's. An
+bnb.codec.quantize_4bit for nf4/fp4) and reports the error it adds next to round-to-nearest's. An
 unquantized source is quantized the same way, data-free, from its float weights (data_free_modules).
 """
 

@@ -1,7 +1,7 @@
 """AWQ GEMM checkpoints (AutoAWQ ``WQLinear_GEMM``, GPTQModel's AWQ, auto-round's ``auto_awq`` export),
-described from headers and config. Stdlib only, so `inspect` stays light; the data is awq_codec.py.
+described from headers and config. Stdlib only, so `inspect` stays light; the data is awq/codec.py.
 
-Per quantized Linear ``P`` (FORMATS.md §5.1, §5.4)::
+Per quantized Linear ``P`` (docs/formats.md, AWQ GEMM)::
 
     P.qweight  int32      [in, out/8]    4-bit codes packed along OUT, nibble i of word c holding
                                          output column 8c + AWQ_ORDER[i], AWQ_ORDER = [0,2,4,6,1,3,5,7]
@@ -33,7 +33,7 @@ Zero points when ``zero_point`` is false: every producer still stores qzeros (GP
 2^(bits-1) = 8, auto-round tiles its scalar symmetric zero point 8; AutoAWQ cannot pack GEMM without
 zeros at all), and every loader subtracts the *stored* qzeros whatever zero_point says (AutoAWQ
 ``dequantize_gemm``, GPTQModel's AWQ kernels, vLLM ``AWQLinearMethod``). So qzeros are required and
-decoded as stored, for symmetric files too (awq_codec.read).
+decoded as stored, for symmetric files too (awq.codec.read).
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
 
 
 def check(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> None:
-    """Refuse, from headers and config, a module awq_codec.read could not decode exactly: the first of
+    """Refuse, from headers and config, a module awq.codec.read could not decode exactly: the first of
     its problems, as UnsupportedFormat (a layout or width qconv does not decode) or CorruptCheckpoint
     (shapes or config that contradict each other), naming the file and the module's qweight."""
     qweight = tensors.get(m.name + ".qweight")
@@ -339,7 +339,7 @@ def lint(qc: Mapping, modules: list[QuantModule], all_modules: set[str], comp, w
 # The registry's writer hooks (target awq)
 
 def writer_leaves(spec, shape: tuple[int, int], g_idx: bool) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """What awq_codec.encode stores (stdlib, predicted before any data)."""
+    """What awq.codec.encode stores (stdlib, predicted before any data)."""
     out, inp = shape
     if spec.scheme != "int" or spec.bits != BITS or spec.group_size <= 0 or inp % spec.group_size:
         raise NotStorable(f"AWQ GEMM stores 4-bit codes in whole groups along in, not {spec.name} in groups "

@@ -1,4 +1,4 @@
-"""bitsandbytes tensor data <-> QuantTensor (the layout, from headers, is bnb.py)."""
+"""bitsandbytes tensor data <-> QuantTensor (the layout, from headers, is header.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ..core.packing import unpack_nibbles_high_first
 from ..storage.safetensors_header import TensorInfo
 from ..storage.tensor_io import finite_scales, read_array
 
-# bitsandbytes' 4-bit code books, index -> value (get_4bit_type; FORMATS.md §2.3). Dequantization uses
+# bitsandbytes' 4-bit code books, index -> value (get_4bit_type; docs/formats.md, bitsandbytes 4-bit). Dequantization uses
 # these, as bitsandbytes' own kernels do, not the quant_map copy stored beside each weight.
 NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
                 -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
@@ -181,7 +181,7 @@ NESTED_BLOCKSIZE = 256
 
 
 def double_quantize(absmax: np.ndarray) -> DoubleQuant:
-    """Second-level quantization of the block absmax, as bitsandbytes does it (FORMATS.md §2.4):
+    """Second-level quantization of the block absmax, as bitsandbytes does it (docs/formats.md, bitsandbytes 4-bit):
     offset = mean(absmax); (absmax - offset) in blocks of 256, each scaled by its absmax and coded as
     the nearest entry of the dynamic map."""
     absmax = np.asarray(absmax, np.float32)

@@ -1,14 +1,14 @@
 """bitsandbytes LLM.int8 (``Linear8bitLt``) and 4-bit (``Linear4bit``) checkpoints, from headers
-(stdlib only, so `inspect` stays light; decoding the data is bnb_codec.py), and what the writers
+(stdlib only, so `inspect` stays light; decoding the data is bnb/codec.py), and what the writers
 (the registry targets bnb8, bnb4-nf4, bnb4-fp4) store and configure, from specs alone.
 
-LLM.int8, per quantized Linear ``P`` (FORMATS.md §1.1)::
+LLM.int8, per quantized Linear ``P`` (docs/formats.md, bitsandbytes LLM.int8)::
 
     P.weight         int8    [out, in]   CB, row-wise symmetric codes
     P.SCB            float32 [out]       row absmax;  W = CB * SCB / 127
     P.weight_format  uint8   []          0 = row-major (the only layout bitsandbytes >= 0.46 loads)
 
-4-bit, per quantized Linear ``P`` (FORMATS.md §2.1)::
+4-bit, per quantized Linear ``P`` (docs/formats.md, bitsandbytes 4-bit)::
 
     P.weight                          storage dtype [ceil(out*in/2) / itemsize, 1]  two codes a byte,
                                                                                    first in the HIGH nibble
@@ -90,7 +90,7 @@ def parse_quant_state(info: TensorInfo, raw: bytes) -> dict:
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
         raise CorruptCheckpoint("bitsandbytes quant_state JSON lacks a positive blocksize or a shape",
                                 file=info.file, tensor=info.name)
-    # bitsandbytes writes these as an int, a float and a dtype name (FORMATS.md §2.1); anything else
+    # bitsandbytes writes these as an int, a float and a dtype name (docs/formats.md, bitsandbytes 4-bit); anything else
     # would be decoded into wrong numbers, so the JSON is refused as a whole.
     nested_blocksize, offset, dtype = (qs.get(k) for k in ("nested_blocksize", "nested_offset", "dtype"))
     if "nested_blocksize" in qs and (not isinstance(nested_blocksize, int) or isinstance(nested_blocksize, bool)
@@ -191,7 +191,7 @@ def _nested_problems(tensors: Mapping[str, TensorInfo], prefix: str, n_blocks: i
 
 
 # ---------------------------------------------------------------------------------------------
-# llm_int8_skip_modules matching (FORMATS.md §1.4)
+# llm_int8_skip_modules matching (docs/formats.md, bitsandbytes LLM.int8)
 
 _BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"
 
@@ -321,14 +321,14 @@ def lint(qc: Mapping, modules: list[QuantModule], all_modules: set[str], comp, w
 # ---------------------------------------------------------------------------------------------
 # Writers: the registry targets bnb8, bnb4-nf4 and bnb4-fp4 (formats/core/registry.py). What they store and
 # their quantization_config, from specs alone (stdlib); fitting specs, planning double quant and encoding
-# the data are bnb_codec.py's.
+# the data are bnb/codec.py's.
 
 FOUR_BIT_TARGETS = {"bnb4-nf4": "nf4", "bnb4-fp4": "fp4"}     # --to name -> bnb_4bit_quant_type
 _ITEMSIZE = {"U8": 1, "I8": 1, "F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 
 
 def int8_leaves(spec, shape: tuple[int, int], g_idx: bool) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """What bnb_codec.encode_int8 stores (FORMATS.md §1.1): CB, SCB, a row-major weight_format."""
+    """What bnb.codec.encode_int8 stores (docs/formats.md, bitsandbytes LLM.int8): CB, SCB, a row-major weight_format."""
     out, inp = shape
     return {"weight": ("I8", (out, inp)), "SCB": ("F32", (out,)), "weight_format": ("U8", ())}
 
@@ -345,7 +345,7 @@ def packed_items(n: int, storage: str) -> int:
 def quant_state_json(quant_type: str, blocksize: int, dtype: str, shape, nested_offset=None,
                      nested_blocksize: int = 256) -> bytes:
     """The packed quant_state exactly as bitsandbytes writes it: json.dumps of QuantState.as_dict's
-    non-tensor items, in that order (FORMATS.md §2.1). Known before any data is read, so a writer can
+    non-tensor items, in that order (docs/formats.md, bitsandbytes 4-bit). Known before any data is read, so a writer can
     plan its header (the nested offset of a double-quantized source comes from the source's JSON)."""
     state = {"quant_type": quant_type, "blocksize": blocksize, "dtype": dtype, "shape": list(shape)}
     if nested_offset is not None:
@@ -357,8 +357,8 @@ def quant_state_json(quant_type: str, blocksize: int, dtype: str, shape, nested_
 def four_bit_leaves(spec, shape: tuple[int, int], g_idx: bool, *, dtype: str = "float16",
                     double_quant: bool = False, nested_blocksize: int = 256,
                     nested_offset=None) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """What bnb_codec.encode_4bit stores (FORMATS.md §2.1), given the module's write settings
-    (bnb_codec.plan_4bit; the defaults: a float16 weight without double quantization): the packed weight
+    """What bnb.codec.encode_4bit stores (docs/formats.md, bitsandbytes 4-bit), given the module's write settings
+    (bnb.codec.plan_4bit; the defaults: a float16 weight without double quantization): the packed weight
     in spec.storage, the block absmax (uint8 codes under double quant), the code book, the nested state,
     and the quant_state JSON, whose length depends on the dtype, the shape and the nested offset."""
     out, inp = shape

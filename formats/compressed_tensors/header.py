@@ -1,6 +1,6 @@
 """compressed-tensors checkpoints (llm-compressor's ``quant_method: "compressed-tensors"``), described
 from tensor headers and the config. Stdlib only, so ``inspect`` stays light; decoding the data is
-ct_codec.py.
+compressed_tensors/codec.py.
 
 Per quantized Linear ``P``, in nn.Linear orientation ``[out, in]``, with ``b = num_bits`` (1..8) and
 ``G`` scale groups along in (``ceil(in / group_size)``, 1 for strategy "channel")::
@@ -29,7 +29,7 @@ Before 0.18.0 (commit 66e631f6) a word held 32//b whole codes and left its high 
 6- and 7-bit files of the two eras differ (in=256, 3-bit: 26 words a row padded, 24 dense); 1/2/4/8-bit
 layouts are the same in every release. qconv reads the dense layout and refuses the padded one.
 
-Floating-point formats (FORMATS.md §10.3-10.5), symmetric only; float-quantized FP8 per channel and
+Floating-point formats (docs/formats.md, compressed-tensors FP8 to MXFP4), symmetric only; float-quantized FP8 per channel and
 in blocks is also written (target compressed-tensors-fp8: float_leaves / float_config, codec.*_fp8)::
 
   format "float-quantized" (llm-compressor FP8, FP8_DYNAMIC, FP8_BLOCK)
@@ -328,7 +328,7 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
     group (in = groups x group_size: compressed-tensors quantizes whole groups only). Otherwise
     (channel strategy, pack-quantized) the packed width pins it only to a range; ``in_features`` is
     the widest value of it (the true one whenever in*b is a multiple of 32), ``details["in_range"]``
-    the range, and ``weight_shape`` (data, read by ct_codec.read) decides.
+    the range, and ``weight_shape`` (data, read by compressed_tensors.codec.read) decides.
     """
     qc = qc or {}
     version = qc.get("version")
@@ -710,7 +710,7 @@ def _float_module(prefix: str, tensors: Mapping[str, TensorInfo], p: _Problems, 
 
 
 def check(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> None:
-    """Refuse, from headers and config, a module ct_codec.read could not decode exactly:
+    """Refuse, from headers and config, a module compressed_tensors.codec.read could not decode exactly:
     UnsupportedFormat for a layout or scheme qconv does not read, CorruptCheckpoint for files that
     disagree with themselves. Names the file and the tensor concerned."""
     if not m.problems:
@@ -818,7 +818,7 @@ def _groups(group_size: int, inp: int) -> int:
 
 def leaves(spec: "QuantSpec", shape: tuple[int, int], fmt: str = PACKED, *, scale_dtype: str | None = None,
            g_idx: bool = False) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Leaf name -> (safetensors dtype, shape) of what ct_codec.encode stores for a ``spec`` weight of
+    """Leaf name -> (safetensors dtype, shape) of what compressed_tensors.codec.encode stores for a ``spec`` weight of
     ``shape`` [out, in] in ``fmt``, predicted before any data exists."""
     if fmt not in READABLE_FORMATS:
         raise NotStorable(f"compressed-tensors format {fmt!r} is not one qconv writes "
@@ -872,7 +872,7 @@ def config_for(specs_by_module: Mapping[str, "QuantSpec"], ignore: Iterable[str]
     modules' natural order; targets are the exact module names, or ``["Linear"]`` with
     ``class_targets=True`` when there is one group and every other Linear is in ``ignore``.
     ``fmt`` "int-quantized" adds W8A8's dynamic per-token int8 ``input_activations``. ``version`` is
-    the compressed-tensors release whose layout ct_codec.encode writes (dense sub-byte packing).
+    the compressed-tensors release whose layout compressed_tensors.codec.encode writes (dense sub-byte packing).
     """
     if fmt not in READABLE_FORMATS:
         raise NotStorable(f"compressed-tensors format {fmt!r} is not one qconv writes "

@@ -17,7 +17,7 @@ Code-book schemes (bitsandbytes nf4 / fp4), over the row-major flattened weight:
 where absmax is already decoded from double quantization (kept in ``double_quant`` too, so that a
 bitsandbytes write can reproduce the stored bytes).
 
-Floating-point code books (FP8 e4m3: 256 values, FORMATS.md §10.1), grouped along each row like the
+Floating-point code books (FP8 e4m3: 256 values, docs/formats.md, e4m3, e2m1, e8m0), grouped along each row like the
 integers, codes [out, in]::
 
     w[o, i] = codebook[codes[o, i]] * scales[o, g],   g = i // group_size (group_size -1: one per row)
@@ -38,7 +38,7 @@ that a writer of either dialect can keep every code. MXFP4's e8m0 scales are pow
 
 A producer may round its product through a narrower float before the model dtype: compressed-tensors
 unpacks NVFP4 codes into bfloat16 and computes e2m1 * (float32(scale) / global) into bfloat16 even for a
-float16 model, so its weight is fp16(bf16(product)), two roundings (FORMATS.md §10.4). Such a QuantTensor
+float16 model, so its weight is fp16(bf16(product)), two roundings (docs/formats.md, NVFP4). Such a QuantTensor
 says so with ``product_dtype = "bfloat16"``: ``dequantize_rows`` rounds the float32 product to bfloat16
 (to nearest even, as torch casts) and returns it widened, so any later rounding to the model dtype (by
 dequantize, or by a caller's cast) gives the producer's bits; validate's device decoding does the same.
@@ -103,7 +103,7 @@ class QuantSpec:
 
 @dataclass(frozen=True, eq=False)
 class DoubleQuant:
-    """bitsandbytes' second-level quantization of the 4-bit absmax (FORMATS.md §2.4)."""
+    """bitsandbytes' second-level quantization of the 4-bit absmax (docs/formats.md, bitsandbytes 4-bit)."""
 
     codes: np.ndarray            # uint8 [n_blocks]
     nested_absmax: np.ndarray    # float32 [ceil(n_blocks / blocksize)]

@@ -1,4 +1,4 @@
-"""The small float formats of FP8 / FP4 quantization as exact tables (numpy has none; FORMATS.md §10.1):
+"""The small float formats of FP8 / FP4 quantization as exact tables (numpy has none; docs/formats.md, e4m3, e2m1, e8m0):
 e4m3 (float8_e4m3fn: bias 7, no infinities, 0x7F / 0xFF NaN), e2m1 (FP4: 16 values) and e8m0 (MX
 scales: a byte b is 2^(b - 127), 255 NaN)."""
 

@@ -1,7 +1,7 @@
 """Bit packing as pure, vectorised numpy. Two layouts cover every supported format.
 
 LSB-first bitstream of ``b``-bit codes in 32-bit words (GPTQ qweight along in, qzeros along out;
-auto-round; FORMATS.md §3.2). Code ``i`` of a run of 32 codes sits at bit ``i*b`` of the run's ``b``
+auto-round; docs/formats.md, GPTQ). Code ``i`` of a run of 32 codes sits at bit ``i*b`` of the run's ``b``
 words; a code that crosses a word edge keeps its low bits in the earlier word::
 
     b = 4:  word k = | c7 | c6 | c5 | c4 | c3 | c2 | c1 | c0 |      (c0 in bits 0-3)
@@ -13,7 +13,7 @@ For b in {2, 4, 8} a word holds 32/b whole codes; otherwise 32 codes fill exactl
 packed axis must hold a multiple of 32 codes.
 
 bitsandbytes 4-bit: two codes a byte over the row-major flattened weight, element 2k in the HIGH
-nibble, 2k+1 in the LOW nibble; an odd count is padded with one zero code (FORMATS.md §2.2)::
+nibble, 2k+1 in the LOW nibble; an odd count is padded with one zero code (docs/formats.md, bitsandbytes 4-bit)::
 
     byte k = | c(2k) : 4 | c(2k+1) : 4 |
 """

@@ -1,7 +1,7 @@
 """transformers' fine-grained FP8 (``quant_method: "fp8"``: DeepSeek-V3/R1, Qwen3-*-FP8, MiniMax, ...),
 described from headers and config. Stdlib only, so `inspect` stays light; the data is codec.py.
 
-Per quantized Linear ``P`` (FORMATS.md §10.2)::
+Per quantized Linear ``P`` (docs/formats.md, fine-grained FP8)::
 
     P.weight             F8_E4M3               [out, in]
     P.weight_scale_inv   F32 | BF16 | F16      [ceil(out/B0), ceil(in/B1)]   (F8_E8M0 with scale_fmt ue8m0)
@@ -16,7 +16,7 @@ block elsewhere); a dimension that is not a multiple of the block has a last, pa
 ``weight_block_size``: one scale per tensor. ``modules_to_not_convert`` (MiniMax: ``ignored_layers``)
 names Linears left in float.
 
-MoE experts, as transformers 5 saves them (FORMATS.md §10.2, §10.6):
+MoE experts, as transformers 5 saves them (docs/formats.md, fine-grained FP8):
 
 * per-expert e4m3 weights ``experts.N.{gate,up,down}_proj.weight`` (Mixtral: ``w1``, ``w3``, ``w2``) with
   the scales left FUSED per layer: ``experts.gate_up_proj_scale_inv`` [E, ceil(2I/B0), ceil(H/B1)] over

@@ -117,7 +117,7 @@ def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, 
 
 def encode(qt: QuantTensor, *, zero_encoding: str = "v1") -> dict[str, tuple[str, np.ndarray]]:
     """QuantTensor -> the tensors of a GPTQ module, leaf name -> (safetensors dtype, stored values):
-    qweight, qzeros, scales, g_idx in GPTQ's orientation (§3.1). v1 stores z - 1 one field at a time
+    qweight, qzeros, scales, g_idx in GPTQ's orientation (docs/formats.md, GPTQ). v1 stores z - 1 one field at a time
     (never whole-word arithmetic)."""
     spec = qt.spec
     if spec.scheme != "int" or spec.scale_divisor != 1:

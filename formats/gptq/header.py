@@ -1,6 +1,6 @@
 """GPTQ-packed integer checkpoints (AutoGPTQ, GPTQModel, auto-round), described from headers.
 
-Per quantized Linear ``P`` with ``b``-bit codes in 32-bit words (FORMATS.md §3.1)::
+Per quantized Linear ``P`` with ``b``-bit codes in 32-bit words (docs/formats.md, GPTQ)::
 
     P.qweight  int32 [in*b/32, out]   packed along in (dim 0), LSB-first bitstream
     P.qzeros   int32 [G, out*b/32]    packed along out (dim 1); v1 stores z-1, v2 stores z
@@ -9,7 +9,7 @@ Per quantized Linear ``P`` with ``b``-bit codes in 32-bit words (FORMATS.md §3.
 
 So ``out`` comes from scales, ``b`` from qzeros' width against out, ``in`` from qweight's rows, and
 every module's bit width can be read from its shapes alone, mixed-bit checkpoints included.
-Stdlib only, so `inspect` stays light; decoding the data is gptq_codec.py.
+Stdlib only, so `inspect` stays light; decoding the data is gptq/codec.py.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def find_modules(tensors: Mapping[str, TensorInfo], fallback_bits=None) -> list[
 # Config
 
 def normalise_packing_format(qc: Mapping) -> str | None:
-    """auto-round packing format, with the aliases current loaders accept (FORMATS.md §4.1)."""
+    """auto-round packing format, with the aliases current loaders accept (docs/formats.md, auto-round)."""
     fmt = qc.get("packing_format")
     if fmt is None and qc.get("quant_method") == "intel/auto-round":
         backend = str(qc.get("backend", ""))
@@ -305,7 +305,7 @@ def _lint(qc: Mapping, modules: list[QuantModule], all_modules: set[str],
 
 
 # ---------------------------------------------------------------------------------------------
-# Writing (the GPTQ, GPTQ v2 and auto-round targets; encoding is gptq_codec.encode_for)
+# Writing (the GPTQ, GPTQ v2 and auto-round targets; encoding is gptq.codec.encode_for)
 
 def _words(n_codes: int, bits: int, what: str) -> int:
     """32-bit words for n_codes along a packed axis (ValueError where the layout cannot hold them)."""
@@ -319,7 +319,7 @@ def _words(n_codes: int, bits: int, what: str) -> int:
 
 
 def leaves(spec, shape: tuple[int, int], g_idx: bool) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """leaf -> (dtype, shape) of what gptq_codec.encode stores: qweight packed along in, qzeros along out."""
+    """leaf -> (dtype, shape) of what gptq.codec.encode stores: qweight packed along in, qzeros along out."""
     out, inp = shape
     groups = 1 if spec.group_size <= 0 else -(-inp // spec.group_size)
     res = {"qweight": ("I32", (_words(inp, spec.bits, "input features"), out)),

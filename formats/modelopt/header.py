@@ -2,7 +2,7 @@
 quantization_config, and the same settings in ``hf_quant_config.json``), described from headers and
 config. Stdlib only, so `inspect` stays light; the data is codec.py.
 
-Per quantized Linear ``P`` (FORMATS.md §10.4)::
+Per quantized Linear ``P`` (docs/formats.md, NVFP4)::
 
   quant_algo "FP8"
     P.weight           F8_E4M3   [out, in]

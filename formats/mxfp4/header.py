@@ -1,7 +1,7 @@
 """gpt-oss's MXFP4 (``quant_method: "mxfp4"``, OpenAI gpt-oss-20b / -120b as published), described from
 headers and config. Stdlib only, so `inspect` stays light; the data is codec.py.
 
-Only the MoE experts are quantized, fused per layer (FORMATS.md §10.5, §10.6)::
+Only the MoE experts are quantized, fused per layer (docs/formats.md, MXFP4)::
 
     <p>.experts.gate_up_proj_blocks   U8 [E, 2I, H/32, 16]   two e2m1 codes a byte, element 2j LOW nibble
     <p>.experts.gate_up_proj_scales   U8 [E, 2I, H/32]       e8m0: 2^(b - 127), one per 32 inputs (255: NaN)

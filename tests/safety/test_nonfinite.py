@@ -51,7 +51,7 @@ def blocks(s: torch.Tensor, out: int, inp: int, block: int = 128) -> torch.Tenso
     return s.repeat_interleave(block, 0)[:out].repeat_interleave(block, 1)[:, :inp]
 
 
-# The formats' own definitions (FORMATS.md §10), float32, of v_proj's weight in the (mutated) files.
+# The formats' own definitions (docs/formats.md, floating-point formats), float32, of v_proj's weight in the (mutated) files.
 def _ct_nvfp4(t):
     codes = nibbles(t[V + ".weight_packed"])
     s = e4m3(t[V + ".weight_scale"]) / t[V + ".weight_global_scale"].float()

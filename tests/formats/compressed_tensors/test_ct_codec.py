@@ -25,7 +25,7 @@ from conftest import CHECKPOINTS, copy_checkpoint, run_qconv
 # fixtures/checkpoints/README.md: llm-compressor 0.14.0.1 + compressed-tensors 0.19.0.
 CT_FIXTURES = ["llama-ct-mixed", "llama-ct-w3a16", "llama-ct-w4a16", "llama-ct-w4a16-asym",
                "llama-ct-w8a16", "llama-ct-w8a16-channel", "llama-ct-w8a8"]
-# Their settings (README table, FORMATS.md §5.3), per fixture: (format, bits, group size, symmetric).
+# Their settings (README table, docs/formats.md, compressed-tensors), per fixture: (format, bits, group size, symmetric).
 SETTINGS = {"llama-ct-w3a16": ("pack-quantized", 3, 128, True),
             "llama-ct-w4a16": ("pack-quantized", 4, 128, True),
             "llama-ct-w4a16-asym": ("pack-quantized", 4, 128, False),

@@ -1,4 +1,4 @@
-"""compressed-tensors' floating-point formats (FORMATS.md §10.3-10.5), on llm-compressor's own files:
+"""compressed-tensors' floating-point formats (docs/formats.md, compressed-tensors FP8 to MXFP4), on llm-compressor's own files:
 float-quantized FP8 (FP8, FP8_DYNAMIC, FP8_BLOCK), nvfp4-pack-quantized (NVFP4A16, NVFP4) and
 mxfp4-pack-quantized (MXFP4A16). What the generic fixture tests (test_dequantize.py: bit for bit against
 the producer's oracle, windows, the convert matrix, golden inspect reports) do not cover: the settings
@@ -39,7 +39,7 @@ def _component(path):
 # fixtures/checkpoints/README.md says llm-compressor wrote for them.
 
 # preset -> (scheme, strategy, block_structure, top-level group_size): llm-compressor's preset table
-# (FORMATS.md §10.3-10.5); FP8 per tensor has no groups at all.
+# (docs/formats.md, compressed-tensors FP8 to MXFP4); FP8 per tensor has no groups at all.
 PRESETS = {"FP8": ("e4m3", "tensor", None, None), "FP8_DYNAMIC": ("e4m3", "channel", None, -1),
            "FP8_BLOCK": ("e4m3", "block", [128, 128], 128), "NVFP4A16": ("e2m1", "tensor_group", None, 16),
            "NVFP4": ("e2m1", "tensor_group", None, 16), "MXFP4A16": ("e2m1", "group", None, 32)}

@@ -26,7 +26,7 @@ from conftest import (CHECKPOINTS, PROPS, inspect_report as _report, provenance 
 
 # ---- zero points, packing and round trips --------------------------------------------------------
 
-# Sym v1/v2 qzeros words (FORMATS.md §3.3: "useful as a format sniff"), as unsigned 32-bit.
+# Sym v1/v2 qzeros words (docs/formats.md, GPTQ: "useful as a format sniff"), as unsigned 32-bit.
 SYM_ZEROS = {("v1", 2): [0x55555555], ("v1", 3): [0xDB6DB6DB, 0xB6DB6DB6, 0x6DB6DB6D],
              ("v1", 4): [0x77777777], ("v1", 8): [0x7F7F7F7F],
              ("v2", 2): [0xAAAAAAAA], ("v2", 3): [0x24924924, 0x49249249, 0x92492492],
@@ -107,7 +107,7 @@ def test_gptq_write_read_round_trip(tmp_path, bits, in_runs, out_runs, group_siz
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_gptqmodel_v1_zero_points_decode_as_gptqmodel_reads_them(tmp_path, bits):
     """GPTQModel writes v1 by subtracting 0x11111111 (4-bit) from whole words, which borrows when a
-    zero point is 0, and reads by adding it back (FORMATS.md §3.3). A GPTQModel file (meta.quantizer)
+    zero point is 0, and reads by adding it back (docs/formats.md, GPTQ). A GPTQModel file (meta.quantizer)
     is decoded word-wise, so every zero point survives; field-wise decoding would get the neighbour of
     each 0 wrong by one."""
     rng = np.random.default_rng(bits)
@@ -143,7 +143,7 @@ def _asym_module(bits=4, out=64, inp=128, gs=64, seed=0):
                        scales=np.full((out, inp // gs), 0.01, np.float16).astype(np.float32), zeros=zeros)
 
 
-# auto-round's packing formats and their zero-point conventions (FORMATS.md §4.1-4.2).
+# auto-round's packing formats and their zero-point conventions (docs/formats.md, auto-round).
 @pytest.mark.parametrize("qc, encoding", [
     ({"quant_method": "auto-round", "packing_format": "auto_round:auto_gptq"}, "v1"),
     ({"quant_method": "auto-round", "packing_format": "auto_round:gptq"}, "v1"),        # alias

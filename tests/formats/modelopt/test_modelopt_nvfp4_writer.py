@@ -20,7 +20,7 @@ from conftest import (CHECKPOINTS, assert_same_tensors, convert_component, copy_
 TARGET = "modelopt-nvfp4"
 MODELOPT = CHECKPOINTS / "llama-modelopt-nvfp4"
 CT_W4A4 = CHECKPOINTS / "llama-ct-nvfp4"
-# e2m1 magnitudes by the nibble's low 3 bits; bit 3 is the sign (FORMATS.md §10.1)
+# e2m1 magnitudes by the nibble's low 3 bits; bit 3 is the sign (docs/formats.md, e4m3, e2m1, e8m0)
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 
 
