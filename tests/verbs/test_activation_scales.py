@@ -146,3 +146,14 @@ def test_a_bad_activation_scale_is_refused_where_it_would_be_carried(tmp_path, v
     proc = run_qconv("convert", src, dst, "--to", "compressed-tensors-fp8")
     one_error(proc, 4, "model.safetensors", name, "activation scale")
     assert not dst.exists()
+
+
+@pytest.mark.parametrize("name", [CT_FP8, CT_NVFP4, MO_FP8, MO_NVFP4])
+def test_clean_producer_files_pass_inspect_strict(name):
+    """Static activation scales are a fact of the checkpoint, reported, never a warning: --strict passes."""
+    proc = run_qconv("inspect", "--strict", "--json", CHECKPOINTS / name)
+    assert proc.returncode == 0, proc.stderr
+    (comp,) = json.loads(proc.stdout)["components"]
+    assert comp["warnings"] == []
+    facts = json.dumps(comp)
+    assert "activation_scales" in facts or '"input_scale": "per tensor (static)"' in facts
