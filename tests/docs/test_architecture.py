@@ -142,3 +142,46 @@ def test_the_checks_catch_a_planted_branch(tmp_path, monkeypatch, planted, expec
         test_no_generic_module_compares_against_a_family_name
     with pytest.raises(AssertionError):
         check()
+
+
+TOY = '''"""A format family that exists only in this test: one folder, nothing else changed."""
+
+from ..core.registry import Caps, Dialect, Family, Target, register, register_target
+
+register(Family("toy", "Toy", frozenset({"toy"}), lambda method, qc: method == "toy", lambda tensors, qc: [],
+                lambda m, tensors, qc: None, "toy.codec"))
+register(Dialect("toy", frozenset({"toy"}), lambda qc, modules, all_modules, comp, warnings: None))
+register_target(Target("toy", "toy", Caps(frozenset({4})), lambda spec, shape, g_idx: {}, lambda ctx: {}, "toy.codec"))
+'''
+
+
+def test_a_new_family_is_one_folder(tmp_path):
+    """A copy of qconv with one more folder under formats/ and no other change: the family, its dialect and
+    its target are registered, the target is a --to choice of the API and the command line, and a config
+    naming its method is decoded by it (inspect reports the method)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    copy = tmp_path / "qconv"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".*", "tests", "fixtures", "benchmarks", "docs", "bin",
+                                                               "*.egg-info", "__pycache__"))
+    (copy / "formats" / "toy").mkdir()
+    (copy / "formats" / "toy" / "__init__.py").write_text(TOY)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "toy"}}))
+    shutil.copy(ROOT / "fixtures" / "checkpoints" / "llama-fp16" / "model.safetensors", folder)
+    script = ("import json, sys, qconv\n"
+              "from qconv.formats.core.registry import family, target\n"
+              "from qconv.cli import main\n"
+              "assert qconv.__file__.startswith(sys.argv[1]), qconv.__file__\n"
+              "print(json.dumps({'family': family('toy').method, 'target': target('toy').family,\n"
+              "                  'api': 'toy' in qconv.api.targets(),\n"
+              "                  'inspect': qconv.inspect(sys.argv[2]).methods}))\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(copy), str(folder)], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got == {"family": "Toy", "target": "toy", "api": True, "inspect": ["unquantized"]}, got
