@@ -38,7 +38,6 @@ __all__ = ["inspect", "convert", "bnb8_to_gptq", "dequantize", "validate",
            "ProgressEvent", "targets", "to_json", "parse_size"]
 
 FLOAT_TARGETS = ("float16", "bfloat16", "float32")
-GGUF_TARGET = "gguf"                         # one llama.cpp GGUF file (convert/to_gguf.py)
 GGUF_ASYM = ("q5_0", "q4_1")
 GGUF_FLOAT_TYPES = ("auto", "f32", "f16", "bf16", "q8_0")
 SCALE_DTYPES = FLOAT_TARGETS
@@ -55,9 +54,10 @@ SEED_RANGE = (0, 2**32 - 1)
 
 def targets() -> tuple[str, ...]:
     """The names ``convert(to=...)`` takes: the format registry's quantized targets, then the float ones."""
-    from .formats.core.registry import targets as registered
+    from .formats.core.registry import file_targets, targets as registered
 
-    return tuple(t.name for t in registered() if not t.internal) + (GGUF_TARGET,) + FLOAT_TARGETS
+    return (tuple(t.name for t in registered() if not t.internal) + tuple(t.name for t in file_targets())
+            + FLOAT_TARGETS)
 
 
 def _what(name: str) -> str:
@@ -117,7 +117,7 @@ def _path(name: str, value) -> Path:
 
 def _jobs(value: int | None) -> int:
     """--jobs: worker processes that write output shards (convert/parallel.py); None: the machine's cores."""
-    from .convert.parallel import machine_cores
+    from .formats.core.threads import machine_cores
 
     _int_in("jobs", value, 1)
     return machine_cores() if value is None else value
@@ -193,7 +193,7 @@ class ConvertOptions:
 
     def conversion(self):
         """The conversion's own settings (convert.convert.Options)."""
-        from .convert.options import Options
+        from .formats.core.options import Options
 
         return Options(self.to, self.bits, self.group_size, self.sym, self.scale_dtype, self.blocksize,
                        self.double_quant, self.quant_storage, block_size=self.block_size, source=self.source,
@@ -338,10 +338,7 @@ def inspect(path: str | os.PathLike[str], *, strict: bool = False) -> InspectRes
 
 
 def _run_convert(src, dst, opts: ConvertOptions, progress: ProgressCallback | None) -> ConvertResult:
-    if opts.to == GGUF_TARGET:                   # one file, not a folder: its own writer
-        from .convert.to_gguf import convert_to_gguf as run_convert
-    else:
-        from .convert.convert import convert as run_convert
+    from .convert.convert import convert as run_convert
 
     with reporting(progress):
         data = run_convert(_path("src", src), _path("dst", dst), opts.conversion(), overwrite=opts.overwrite,

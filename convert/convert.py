@@ -11,7 +11,7 @@ Lossless paths (each module's codes carried over unchanged):
 * GPTQ v1 <-> v2 <-> auto-round (auto_round:auto_gptq): codes, scales and zero points repacked, zero
   points re-encoded one field at a time; bitsandbytes 4-bit repacks (storage dtype, double quant).
 
-Every other path requantizes each module from the source's exact weights (requantize.py for integers,
+Every other path requantizes each module from the source's exact weights (formats/core/requantize.py for integers,
 bnb.codec.quantize_4bit for nf4/fp4) and reports the error it adds next to round-to-nearest's. An
 unquantized source is quantized the same way, data-free, from its float weights (data_free_modules).
 """
@@ -32,17 +32,17 @@ from ..formats.core.detect import Detection, without_quantization
 from ..formats.core.ir import QuantSpec, QuantTensor, stack_rows
 from ..formats.core.layout import QuantModule, examples, natural_key
 from ..formats.core.reader import model_dtype, read_module, require_decodable
-from ..formats.core.registry import ModuleContext, WriteContext, family as registered_family, target as registered_target, targets as registered_targets
+from ..formats.core.registry import ModuleContext, WriteContext, file_target, family as registered_family, target as registered_target, targets as registered_targets
 from ..formats.storage.checkpoint import Component
 from ..formats.storage.tensor_io import FLOAT_NAMES, encode_float, finite_scales, read_array, to_float32
 from .dequantize import dequantize_component
 from .engine import DEFAULT_MAX_SHARD, OutTensor, made_warnings, passthrough, run, write_component
-from .options import FLOAT_TARGETS, Options, refuse_options
+from ..formats.core.options import FLOAT_TARGETS, Options, refuse_options
 from .parallel import Replan
-from .requantize import combined, error_sums, layer_error_of, requantize, unmeasurable, unrepresentable
-from .source import (check_source, exact_rows, exact_weights, float_rows, linear_modules, read_float, refuse,
+from ..formats.core.requantize import combined, error_sums, layer_error_of, requantize, unmeasurable, unrepresentable
+from ..formats.core.source import (check_source, exact_rows, exact_weights, float_rows, linear_modules, read_float, refuse,
                      source_spec)
-from .tally import Stats, Tally
+from ..formats.core.tally import Stats, Tally
 
 # The quantized targets are the format registry's (formats/core/registry.py: caps or fit, plan, leaves,
 # requantize / retarget, encoder, config); the float targets dequantize (dequantize.py).
@@ -313,7 +313,7 @@ class _ModuleCache:
 
 def _layer_error(w: np.ndarray, qt: QuantTensor, rtn: QuantTensor):
     """The error a requantized module adds, next to plain round-to-nearest's (a target's own requantizer)."""
-    from .requantize import layer_error
+    from ..formats.core.requantize import layer_error
 
     return layer_error(w, qt, rtn)
 
@@ -681,6 +681,10 @@ def check_options(opts: Options) -> None:
 
 def convert(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
             max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False, jobs: int = 1) -> dict:
+    own = file_target(opts.to)
+    if own is not None:                         # one file, not a folder: its family's writer (gguf/writer.py)
+        return own.convert(src, dst, opts, overwrite=overwrite, max_shard_size=max_shard_size, validate=validate,
+                           jobs=jobs)
     if opts.to not in TARGETS:
         raise ValueError(opts.to)
     check_options(opts)

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import CorruptCheckpoint, UnsupportedFormat
+from ..errors import UnsupportedFormat
 from ..formats.storage.checkpoint import Component
 from ..formats.core.detect import Detection, without_quantization
 from ..formats.core.layout import QuantModule, natural_key
 from ..formats.core.reader import model_dtype, read_module, require_decodable
+from ..formats.core.source import finite_rows, where_of
 from ..formats.core.registry import family
 from ..formats.storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, all_finite, encode_float
 from ..validation import WINDOW_ELEMENTS   # codes of a module read at once, as validate reads them
@@ -24,28 +25,11 @@ from .engine import DEFAULT_MAX_SHARD, OutTensor, made_warnings, ordered, passth
 from .parallel import Replan
 
 
-def _where(comp: Component, m: QuantModule) -> dict:
-    first = comp.tensors.get(m.weight_tensors[0]) if m.weight_tensors else None
-    return {"file": first.file if first else None, "tensor": m.name}
-
-
-def finite_rows(comp: Component, m: QuantModule, qt, r0: int, r1: int) -> np.ndarray:
-    """Rows r0:r1 of a module's exact float32 weight, refused (not computed on with numpy's overflow
-    warnings) when codes times scales are not finite in float32: a source whose finite scales are
-    absurd (a bf16 scale of 3e38), which no float folder and no requantization can hold."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        w = qt.dequantize_rows(r0, r1)
-    if not np.isfinite(w).all():
-        raise CorruptCheckpoint(f"its codes times its scales are not finite in float32 (largest scale "
-                                f"{float(np.abs(qt.scales).max()):.3g}): no float folder or requantization can hold it", **_where(comp, m))
-    return w
-
-
 def _dequantized(comp: Component, det: Detection, m: QuantModule, code: str, src_dtype: str) -> OutTensor:
     """A quantized module's float weight, slab by slab. A weight that is not finite is refused, never
     written: codes times scales beyond float32 (finite_rows), or beyond the output dtype's range
     (float16's 65504: a wider dtype holds it)."""
-    where = _where(comp, m)
+    where = where_of(comp, m)
 
     def rows_of(qt, r0, r1):
         w = finite_rows(comp, m, qt, r0, r1)

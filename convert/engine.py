@@ -1,5 +1,5 @@
 """The machinery every conversion shares: plan the output tensors from headers, write them shard by
-shard as they are produced, copy the other files, and stage it all atomically (staging.py).
+shard as they are produced, copy the other files, and stage it all atomically (formats/storage/staging.py).
 
 A conversion supplies, per component, the list of ``OutTensor``s (name, dtype, shape, and a producer
 of its bytes, slab by slab) and the new config; this module does the rest the same way for all.
@@ -13,7 +13,7 @@ import shutil
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -24,14 +24,12 @@ from ..formats.storage.checkpoint import (QUANT_CONFIG_FILES, Component, SourceR
                                   plain_name)
 from ..formats.core.reader import require_decodable
 from ..formats.storage.safetensors_header import FLOAT_DTYPES, TensorInfo, open_regular
-from ..formats.storage.safetensors_writer import ShardWriter, index_json, plan_shards
-from ..formats.storage.tensor_io import convert_float, read_array
+from ..formats.storage.safetensors_writer import DEFAULT_MAX_SHARD, ShardWriter, index_json, plan_shards  # noqa: F401
+from ..formats.storage.tensor_io import plain_chunks
 from ..progress import report
 from .parallel import Replan, threads, write_shards
-from .staging import staged_output, test_hook
+from ..formats.storage.staging import staged_output, test_hook
 
-SLAB_BYTES = 4 << 20            # bytes of one slab of rows of a plain tensor
-DEFAULT_MAX_SHARD = 5 * 10**9   # transformers' default max_shard_size ("5GB")
 
 
 @dataclass(frozen=True)
@@ -58,23 +56,6 @@ def ordered(fn, items, depth: int = 4):
             yield pending.popleft().result()
     while pending:
         yield pending.popleft().result()
-
-
-def plain_chunks(info: TensorInfo, dtype: str):
-    """A stored tensor, slab by slab, cast to ``dtype`` when both are floating point (a decoded one,
-    TensorInfo.decode, decoded straight into it: one rounding)."""
-    if info.decode is not None and info.dtype in FLOAT_DTYPES and dtype in FLOAT_DTYPES:
-        info = replace(info, dtype=dtype)
-
-    def cast(data):
-        return convert_float(data, info.dtype, dtype) if info.dtype in FLOAT_DTYPES and dtype != info.dtype else data
-
-    if len(info.shape) < 2 or info.shape[0] == 0:
-        yield cast(read_array(info))
-        return
-    rows = max(1, SLAB_BYTES // max(1, info.nbytes // info.shape[0]))
-    for r0 in range(0, info.shape[0], rows):
-        yield cast(read_array(info, rows=(r0, min(r0 + rows, info.shape[0]))))
 
 
 def passthrough(info: TensorInfo, dtype: str | None = None) -> OutTensor:

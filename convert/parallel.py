@@ -30,41 +30,8 @@ from typing import Callable
 
 from .. import errors
 from ..errors import OutputError, QconvError
-
-_THREADS: int | None = None             # set in a worker: its share of the machine's cores
-
-
-def machine_cores() -> int:
-    """The cores this process may run on (its CPU affinity), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
-def threads() -> int:
-    """Threads for numpy / torch work in this process: all its cores, or a worker's share of them."""
-    return _THREADS or machine_cores()
-
-
-_POOL = None
-_POOL_PREFIX = "qconv-compute"
-
-
-def on_cores(fn: Callable, items) -> list:
-    """[fn(i) for i in items] on threads() threads (numpy, torch and BLAS release the GIL), in the items'
-    order. Called from one of those threads (a task that itself maps), it runs in that thread: a pool
-    never waits on itself."""
-    global _POOL
-    items = list(items)
-    if len(items) <= 1 or threading.current_thread().name.startswith(_POOL_PREFIX):
-        return [fn(i) for i in items]
-    if _POOL is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _POOL = ThreadPoolExecutor(threads(), thread_name_prefix=_POOL_PREFIX)
-    return list(_POOL.map(fn, items))
-
+from ..formats.core import threads as core_threads
+from ..formats.core.threads import machine_cores, on_cores, threads  # noqa: F401 (the verbs' thread counts)
 
 @dataclass(frozen=True)
 class Replan:
@@ -238,7 +205,6 @@ def _die_with_parent() -> None:
 
 
 def child_main() -> None:
-    global _THREADS
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)      # the parent stops us (SIGTERM) when it is interrupted
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -247,7 +213,7 @@ def child_main() -> None:
     sys.stdout = sys.stderr                      # nothing a library prints can break the message stream
     try:
         task = pickle.load(sys.stdin.buffer)
-        _THREADS = task["threads"]
+        core_threads.set_threads(task["threads"])
         state = _write(task, lambda n: _send(out, ("tensor", n)))
         _send(out, ("done", state))
     except QconvError as exc:

@@ -11,7 +11,7 @@ through the parent (reader.read_module), so its codes and scales are the parent'
 Not split (refused by the writers that need it, with the reason): other model types, whose fused layout
 differs (gpt-oss interleaves gate and up rows and has no per-expert layout any loader reads; Qwen3-VL-MoE
 stores [E, H, 2I], transposed; Mixtral's per-expert names also rename the block). The one exception is
-GGUF (convert/to_gguf.py), whose stacked gate / up experts llama.cpp's own converter makes from gpt-oss'
+GGUF (gguf/writer.py), whose stacked gate / up experts llama.cpp's own converter makes from gpt-oss'
 interleaved rows: split_interleaved.
 """
 

@@ -303,6 +303,35 @@ class Target:
         return self if name is None or name == self.name else target(name)
 
 
+@dataclass(frozen=True)
+class FileTarget:
+    """A writer of one file rather than a folder (llama.cpp's GGUF): the family that reads it back, the
+    convert options it takes (any other is exit 2), and its own hooks: ``check(opts)`` (its option values)
+    and ``convert(src, dst, opts, *, overwrite, jobs, max_shard_size, validate) -> report`` (plan, write,
+    stage and publish the file, as convert does a folder)."""
+    name: str
+    family: str
+    options: frozenset
+    check: Callable
+    convert: Callable
+
+
+_FILE_TARGETS: dict[str, FileTarget] = {}
+
+
+def register_file_target(entry: FileTarget) -> FileTarget:
+    _FILE_TARGETS[entry.name] = entry
+    return entry
+
+
+def file_target(name: str) -> FileTarget | None:
+    return _FILE_TARGETS.get(name)
+
+
+def file_targets() -> tuple[FileTarget, ...]:
+    return tuple(_FILE_TARGETS.values())
+
+
 def lazy(module: str, fn: str, *bound):
     """A hook that imports module (relative to qconv.formats) on its first call and calls fn with the
     bound arguments first: numpy-side hooks without numpy at registration (a family's codec, named relative to

@@ -2,7 +2,7 @@
 the gguf family (a GGUF opened as a source: Q8_0 / Q4_0 / Q5_0 / MXFP4 block tensors; a permuted llama
 q / k read whole, codec.row_step) and dialect, and the storage container that opens a GGUF file."""
 
-from ..core.registry import Dialect, Family, register
+from ..core.registry import Dialect, Family, FileTarget, lazy, register, register_file_target
 from ..storage.checkpoint import Container, register_container
 from . import header as gguf
 
@@ -27,3 +27,6 @@ def _render(result):
 
 
 register_container(Container("gguf", gguf.looks_like_gguf, _open, _describe, _render))
+# `--to gguf`: one llama.cpp file (writer.py), its options (core/options.py's fields) and their values checked
+register_file_target(FileTarget("gguf", "gguf", gguf.WRITER_OPTIONS, lazy("gguf.writer", "check_options"),
+                                lazy("gguf.writer", "convert_to_gguf")))

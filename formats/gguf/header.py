@@ -172,6 +172,9 @@ def plain(value):
     return value
 
 
+WRITER_OPTIONS = frozenset({"bits", "gguf_asym", "gguf_float", "gguf_float_type"})   # --to gguf's (core/options.py)
+
+
 def looks_like_gguf(path: str | os.PathLike) -> bool:
     """A regular file named *.gguf, or one that starts with the GGUF magic: what `qconv inspect` reads as
     GGUF rather than as safetensors."""

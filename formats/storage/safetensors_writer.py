@@ -19,6 +19,8 @@ import numpy as np
 
 from .safetensors_header import DTYPES, encode_header
 
+DEFAULT_MAX_SHARD = 5 * 10**9   # transformers' default max_shard_size ("5GB")
+
 
 def nbytes(dtype: str, shape) -> int:
     return math.prod(shape) * DTYPES[dtype][0] // 8

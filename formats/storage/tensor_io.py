@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import replace
 
 import numpy as np
 
 from ...errors import CorruptCheckpoint
-from .safetensors_header import TensorInfo
+from .safetensors_header import FLOAT_DTYPES, TensorInfo
 
 # safetensors dtype -> numpy dtype of the stored bits (BF16 as raw uint16).
 NUMPY = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
@@ -159,3 +160,23 @@ def all_finite(stored: np.ndarray, code: str) -> bool:
     if code == "BF16":
         return not bool(((stored.view(np.uint16) & 0x7F80) == 0x7F80).any())
     return bool(np.isfinite(stored).all())
+
+
+SLAB_BYTES = 4 << 20            # bytes of one slab of rows of a plain tensor
+
+
+def plain_chunks(info: TensorInfo, dtype: str):
+    """A stored tensor, slab by slab, cast to ``dtype`` when both are floating point (a decoded one,
+    TensorInfo.decode, decoded straight into it: one rounding)."""
+    if info.decode is not None and info.dtype in FLOAT_DTYPES and dtype in FLOAT_DTYPES:
+        info = replace(info, dtype=dtype)
+
+    def cast(data):
+        return convert_float(data, info.dtype, dtype) if info.dtype in FLOAT_DTYPES and dtype != info.dtype else data
+
+    if len(info.shape) < 2 or info.shape[0] == 0:
+        yield cast(read_array(info))
+        return
+    rows = max(1, SLAB_BYTES // max(1, info.nbytes // info.shape[0]))
+    for r0 in range(0, info.shape[0], rows):
+        yield cast(read_array(info, rows=(r0, min(r0 + rows, info.shape[0]))))

@@ -13,9 +13,8 @@ SKIP = {"tests", "benchmarks", "bin", "fixtures", "docs"}
 SHARED = {"core", "storage"}
 FAMILIES = sorted(p.name for p in (ROOT / "formats").iterdir()
                   if p.is_dir() and (p / "__init__.py").exists() and p.name not in SHARED)
-# The one generic module that still names a family, and why (issue 32's note): --to gguf's writer needs
-# the conversion machinery (the requantizer, the source's exact weights) that families cannot import.
-NAMES_A_FAMILY = {"convert/to_gguf": {"gguf"}}
+# Generic modules allowed to name a family, and why: none.
+NAMES_A_FAMILY: dict[str, set[str]] = {}
 
 
 def _modules():

@@ -32,7 +32,7 @@ def test_sampled_channels_estimate_the_whole_layer(tmp_path, monkeypatch, name):
     modules = list(det.modules)
     if not modules:                                       # a float source: the Linears convert quantized
         from qconv.convert.convert import Options
-        from qconv.convert.source import data_free_modules as _data_free_modules
+        from qconv.formats.core.source import data_free_modules as _data_free_modules
         modules = _data_free_modules(src, Options("compressed-tensors-w8a8"))
     whole = {r["module"]: r for r in ac.activation_cost(src, det, modules, out)["layers"]}
     monkeypatch.setattr(ac, "MAX_CHANNELS", 64)

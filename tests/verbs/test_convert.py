@@ -289,7 +289,7 @@ def test_requantized_bnb4_runs_in_bitsandbytes(tmp_path, name, to):
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_interrupted_conversion_leaves_nothing(tmp_path, sig):
     """The signal arrives mid-conversion whatever the machine's load: the test-only hook
-    QCONV_TEST_SIGNAL (convert/staging.py) makes qconv signal itself once its first output tensor is
+    QCONV_TEST_SIGNAL (formats/storage/staging.py) makes qconv signal itself once its first output tensor is
     on disk, in the staging folder."""
     import subprocess
     import sys

@@ -267,7 +267,7 @@ def test_bad_input_leaves_no_destination(tmp_path, case):
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
 def test_sigterm_leaves_nothing(tmp_path, sig):
     """The signal arrives mid-dequantization whatever the machine's load: the test-only hook
-    QCONV_TEST_SIGNAL (convert/staging.py) makes qconv signal itself once its first output tensor is
+    QCONV_TEST_SIGNAL (formats/storage/staging.py) makes qconv signal itself once its first output tensor is
     on disk, in the staging folder (this test used to signal after a sleep, and so depended on how
     busy the machine was)."""
     sys.path.insert(0, str(FIXTURES / "layouts"))
@@ -287,7 +287,7 @@ def test_an_interrupt_wrapped_by_a_library_is_still_an_interrupt(monkeypatch, ca
     which turned a SIGTERM during torch's import into "RuntimeError: Error calling __set_name__"): that
     is still an interruption, exit 130, never an internal error."""
     from qconv import cli
-    from qconv.convert.staging import _Terminated
+    from qconv.formats.storage.staging import _Terminated
 
     def wrapped(**kwargs):
         try:

@@ -1,4 +1,4 @@
-"""Requantization reads a module's exact weight a window of rows at a time (convert/requantize.py:
+"""Requantization reads a module's exact weight a window of rows at a time (formats/core/requantize.py:
 ExactRows, blocks of BLOCK_ELEMENTS for the integer search, windows of REQUANTIZE_WINDOW for the
 row-separable target quantizers: FP8, MXFP4, NVFP4 under its planned global scale), measuring each window's error while it is in hand
 (issue 33); where every leaf of the target is its rows' leaves stacked, a module is also read from its
@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 import qconv
 from conftest import CHECKPOINTS, load_tensors
 from qconv.convert import convert as convert_mod
-from qconv.convert import requantize as rq
+from qconv.formats.core import requantize as rq
 from qconv.formats.compressed_tensors import codec as ct_codec
 
 # (fixture, convert keywords, written a window of rows at a time: every leaf of the target is its rows'

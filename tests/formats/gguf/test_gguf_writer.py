@@ -448,7 +448,7 @@ def test_destination_rules(tmp_path):
 def test_validate_catches_a_wrong_row_order(tmp_path, monkeypatch):
     """Negative control: with llama's q / k permutation left out, --validate (which reads the file back
     through gguf-py and undoes the permutation) fails and nothing is written."""
-    from qconv.convert import to_gguf
+    from qconv.formats.gguf import writer as to_gguf
     from qconv.errors import ValidationFailed
 
     monkeypatch.setattr(to_gguf.codec, "permute_rows", lambda blocks, heads: blocks)
@@ -612,7 +612,7 @@ def test_validate_catches_a_wrong_float_conversion(tmp_path, monkeypatch):
     whose reported error is half its real one, each fail --validate, naming the tensor; nothing written."""
     import dataclasses
 
-    from qconv.convert import to_gguf
+    from qconv.formats.gguf import writer as to_gguf
     from qconv.convert.convert import Options
     from qconv.errors import ValidationFailed
 

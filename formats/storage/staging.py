@@ -22,7 +22,7 @@ import signal
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import OutputError, QconvError
+from ...errors import OutputError, QconvError
 
 try:
     import fcntl

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 FLOAT_TARGETS = ("float16", "bfloat16", "float32")
 
@@ -30,7 +30,7 @@ class Options:
 
 
 # Each target option as the command line spells it; the targets that take it say so (Target.options,
-# to_gguf.GGUF_OPTIONS; the float dtypes take none): given to any other, it is a usage error (exit 2).
+# a file target's FileTarget.options; the float dtypes take none): given to any other, it is a usage error (exit 2).
 OPTION_FLAGS = {"bits": "--bits", "group_size": "--group-size", "sym": "--sym/--asym",
                 "scale_dtype": "--scale-dtype", "blocksize": "--blocksize", "double_quant": "--double-quant",
                 "quant_storage": "--quant-storage", "block_size": "--block-size", "gguf_asym": "--gguf-asym",

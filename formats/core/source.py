@@ -1,7 +1,7 @@
 """A source as the conversions read it: the modules to convert (the source's quantized ones, per-expert
 views of fused experts, or an unquantized model's Linears to quantize data-free), each module's spec from
 headers and config, and its exact float32 weight read a window of rows at a time. Shared by every writer
-(convert.py, to_gguf.py); nothing here writes."""
+(convert/convert.py, gguf/writer.py); nothing here writes."""
 
 from __future__ import annotations
 
@@ -10,21 +10,37 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..errors import CorruptCheckpoint, NotStorable, UnsupportedFormat
-from ..formats.core.detect import METHOD_NAMES, Detection
-from ..formats.core.experts import is_fused_name, split_module, why_not_split
-from ..formats.core.ir import FloatSpec, FloatWeight, QuantSpec
-from ..formats.core.layout import QuantModule, block_prefix, natural_key
-from ..formats.core.minifloat import BOOKS
-from ..formats.core.reader import read_float_rows
-from ..formats.core.registry import family as registered_family, target as registered_target
-from ..formats.storage.checkpoint import Component
-from ..formats.storage.safetensors_header import DTYPES, FLOAT_DTYPES
-from ..formats.storage.tensor_io import FLOAT_NAMES
-from .dequantize import finite_rows
+from ...errors import CorruptCheckpoint, NotStorable, UnsupportedFormat
+from ..storage.checkpoint import Component
+from ..storage.safetensors_header import DTYPES, FLOAT_DTYPES
+from ..storage.tensor_io import FLOAT_NAMES
+from .detect import METHOD_NAMES, Detection
+from .experts import is_fused_name, split_module, why_not_split
+from .ir import FloatSpec, FloatWeight, QuantSpec
+from .layout import QuantModule, block_prefix, natural_key
+from .minifloat import BOOKS
 from .options import FLOAT_TARGETS, Options
-from .parallel import on_cores
+from .reader import read_float_rows
+from .registry import family as registered_family, target as registered_target
 from .requantize import ExactRows
+from .threads import on_cores
+
+
+def where_of(comp: Component, m: QuantModule) -> dict:
+    first = comp.tensors.get(m.weight_tensors[0]) if m.weight_tensors else None
+    return {"file": first.file if first else None, "tensor": m.name}
+
+
+def finite_rows(comp: Component, m: QuantModule, qt, r0: int, r1: int) -> np.ndarray:
+    """Rows r0:r1 of a module's exact float32 weight, refused (not computed on with numpy's overflow
+    warnings) when codes times scales are not finite in float32: a source whose finite scales are
+    absurd (a bf16 scale of 3e38), which no float folder and no requantization can hold."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        w = qt.dequantize_rows(r0, r1)
+    if not np.isfinite(w).all():
+        raise CorruptCheckpoint(f"its codes times its scales are not finite in float32 (largest scale "
+                                f"{float(np.abs(qt.scales).max()):.3g}): no float folder or requantization can hold it", **where_of(comp, m))
+    return w
 
 
 _ROUTERS = ("gate", "router", "shared_expert_gate")

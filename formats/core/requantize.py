@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..formats.core.ir import QuantSpec, QuantTensor
-from ..formats.storage.tensor_io import encode_float, to_float32
-from .parallel import on_cores
+from ..storage.tensor_io import encode_float, to_float32
+from .ir import QuantSpec, QuantTensor
+from .threads import on_cores
 
 SHRINK = np.linspace(0.50, 1.50, 101, dtype=np.float32)
 REFINE_STEPS = 3
@@ -314,7 +314,7 @@ def unrepresentable(qt: QuantTensor, err: LayerError | None = None, stored_as: s
     reaches: float16's 65504 x 7 for 4-bit codes), a weight that decodes to NaN or infinity, or an error
     that is not finite. Checked for every module written, whatever quantized it (qconv's search, a
     target's own quantizer, kept codes), so a NaN never reaches a file or a report."""
-    from ..formats.core.ir import nonfinite_weight
+    from .ir import nonfinite_weight
 
     scales = np.asarray(qt.scales, np.float32)
     if not np.isfinite(scales).all():

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..formats.core.layout import natural_key
+from .layout import natural_key
 
 
 @dataclass

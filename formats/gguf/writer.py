@@ -25,26 +25,26 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..errors import CorruptCheckpoint, NotStorable, OutputError, UnsupportedFormat, UsageError
-from ..formats.core.activation import activation_report
-from ..formats.core.experts import split_interleaved
-from ..formats.core.layout import QuantModule, natural_key
-from ..formats.core.reader import model_dtype, read_module, require_decodable
-from ..formats.gguf import arch as garch
-from ..formats.gguf import codec
-from ..formats.gguf.header import looks_like_gguf
-from ..formats.storage.checkpoint import Component, open_target
-from ..formats.storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, encode_float, read_array, to_float32
-from .options import Options, refuse_options
-from .source import check_source, exact_rows, exact_weights, read_float, source_spec, split_experts
-from .tally import Stats, Tally
-from .engine import DEFAULT_MAX_SHARD, plain_chunks
-from .requantize import requantize, unrepresentable
-from .staging import staged_output, test_hook
+from ...errors import CorruptCheckpoint, NotStorable, OutputError, UnsupportedFormat, UsageError
+from ..core.activation import activation_report
+from ..core.experts import split_interleaved
+from ..core.layout import QuantModule, natural_key
+from ..core.options import Options, refuse_options
+from ..core.reader import model_dtype, read_module, require_decodable
+from ..core.requantize import requantize, unrepresentable
+from ..core.source import check_source, exact_rows, exact_weights, read_float, source_spec, split_experts
+from ..core.tally import Stats, Tally
+from ..storage.checkpoint import Component, open_target
+from ..storage.safetensors_writer import DEFAULT_MAX_SHARD
+from ..storage.staging import staged_output, test_hook
+from ..storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, encode_float, plain_chunks, read_array, to_float32
+from . import arch as garch
+from . import codec
+from .header import WRITER_OPTIONS, looks_like_gguf
 
 ROPE_FREQS = "rope_parameters (llama3)"         # the source of rope_freqs: computed from config.json
 _FLOAT_GGML = {"F16": (np.float16, "F16"), "F32": (np.float32, "F32"), "BF16": (np.uint16, "BF16")}
-GGUF_OPTIONS = frozenset({"bits", "gguf_asym", "gguf_float", "gguf_float_type"})   # check_options
+GGUF_OPTIONS = WRITER_OPTIONS                   # the options it takes (header.py, the registry's FileTarget)
 # what llama.cpp does to activations (a quantized weight's dot product rounds them to its q8 blocks at run time)
 GGUF_ACTIVATIONS = "q8 blocks of 32 (llama.cpp's dot products), dynamic"
 GGUF_BITS = {4: "Q4_0", 8: "Q8_0"}                # --bits: what every requantized module becomes
@@ -411,8 +411,8 @@ def arch_of(comp: Component):
 
 def _source_rope_factors(comp: Component):
     """A GGUF source's own rope_freqs, as they are (its config holds the llama-3 rope they were read as)."""
-    from ..formats.gguf.source import ROPE_FREQS as NAME, rope_factors
-    from ..formats.gguf.split import read_gguf
+    from .source import ROPE_FREQS as NAME, rope_factors
+    from .split import read_gguf
 
     t = next((t for t in read_gguf(comp.path).tensors if t.name == NAME), None)
     return None if t is None else rope_factors(t)
@@ -691,7 +691,7 @@ def check(comp: Component, files: list[Path], report: dict, shown: Path) -> dict
     that does not."""
     import gguf
 
-    from ..errors import ValidationFailed
+    from ...errors import ValidationFailed
 
     det = require_decodable(comp)
     src_dtype = model_dtype(comp, det)
