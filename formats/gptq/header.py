@@ -334,7 +334,7 @@ def config_writer(target: str, packing_format: str | None = None):
     """The quantization_config writer of a GPTQ-family target: GPTQModel's dialect (checkpoint_format,
     dynamic overrides) for gptq / gptq-v2, auto-round's (packing_format, extra_config) when a
     packing_format is given: auto_round:auto_gptq (the auto-round target), and auto_round:auto_awq and
-    plain auto_round (the packings auto-round writes for asymmetric modules, registry.auto_round_packing).
+    plain auto_round (the packings auto-round writes for asymmetric modules, gptq/__init__.py: auto_round_packing).
     The most common (bits, group, sym) is the default, taken among the asymmetric modules in an
     auto-round file that has any (auto-round writes its asymmetric packings for an asymmetric scheme,
     sym: false on top); other modules and the unquantized Linears of the decoder stacks are listed by

@@ -1,5 +1,5 @@
 """`qconv convert --to auto-round` of asymmetric sources: the packing auto-round's own export writes for
-them (registry.auto_round_packing), decided from the negotiated specs before any data is read.
+them (gptq/__init__.py: auto_round_packing), decided from the negotiated specs before any data is read.
 
 * every module symmetric: `auto_round:auto_gptq`, exactly as before (test_convert.py's round trips);
 * asymmetric, every module 4-bit in whole groups: `auto_round:auto_awq` (AWQ GEMM tensors, zero points
