@@ -192,7 +192,7 @@ class ConvertOptions:
         object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
 
     def conversion(self):
-        """The conversion's own settings (convert.convert.Options)."""
+        """The conversion's own settings (formats/core/options.Options)."""
         from .formats.core.options import Options
 
         return Options(self.to, self.bits, self.group_size, self.sym, self.scale_dtype, self.blocksize,

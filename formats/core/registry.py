@@ -198,7 +198,7 @@ class ModuleContext:
     module: QuantModule              # the source module, from headers and config
     spec: object                     # the QuantSpec it is written with (Target.fit, or the caps negotiation)
     reason: str | None               # why it is requantized (None: its codes are kept)
-    request: object                  # the conversion's options (convert.Options: to, bits, group_size, sym,
+    request: object                  # the conversion's options (core/options.Options: to, bits, group_size, sym,
                                      # scale_dtype, blocksize, double_quant, quant_storage)
     dtype: str                       # the weight's original dtype ("float16", ...), as its QuantTensor has it
     encode: Callable                 # (settings) -> {leaf: (dtype, array)}: the module read and encoded with
@@ -277,7 +277,7 @@ class Target:
     # requantizer's result goes through it too (rounding not reported). None: scales / divisor stored
     # in spec.scale_dtype.
     retarget: Callable | None = None
-    # the convert options (convert.Options' fields) it takes; any other one given is a usage error (exit 2)
+    # the convert options (core/options.Options' fields) it takes; any other one given is a usage error (exit 2)
     options: frozenset = INTEGER_OPTIONS
     # (config) -> config: the model config's keys its loaders read beyond quantization_config (MLX: the
     # same dict as "quantization", rope_theta at the top level). None: the config as convert makes it.
