@@ -306,13 +306,12 @@ class Target:
 @dataclass(frozen=True)
 class FileTarget:
     """A writer of one file rather than a folder (llama.cpp's GGUF): the family that reads it back, the
-    convert options it takes (any other is exit 2), and its own hooks: ``check(opts)`` (its option values)
-    and ``convert(src, dst, opts, *, overwrite, jobs, max_shard_size, validate) -> report`` (plan, write,
-    stage and publish the file, as convert does a folder)."""
+    convert options it takes (any other is exit 2), and ``convert(src, dst, opts, *, overwrite, jobs,
+    max_shard_size, validate) -> report``, which checks its options' values, then plans, writes, stages and
+    publishes the file, as convert does a folder."""
     name: str
     family: str
     options: frozenset
-    check: Callable
     convert: Callable
 
 

@@ -1,6 +1,7 @@
 """llama.cpp's GGUF: one file (or a split set) holding metadata and block-typed tensors. Its declarations:
 the gguf family (a GGUF opened as a source: Q8_0 / Q4_0 / Q5_0 / MXFP4 block tensors; a permuted llama
-q / k read whole, codec.row_step) and dialect, and the storage container that opens a GGUF file."""
+q / k read whole, codec.row_step) and dialect, the storage container that opens a GGUF file (and inspect's
+header-only report of it), and `--to gguf`, its writer."""
 
 from ..core.registry import Dialect, Family, FileTarget, lazy, register, register_file_target
 from ..storage.checkpoint import Container, register_container
@@ -9,24 +10,7 @@ from . import header as gguf
 register(Family("gguf", "GGUF", frozenset({"gguf"}), lambda method, qc: method == "gguf", gguf.find_modules,
                 gguf.check, "gguf.codec", gguf.settings, symmetric=lambda m, qc: True, rows="row_step"))
 register(Dialect("gguf", frozenset({"gguf"}), gguf.lint))
-
-
-def _open(path):
-    from .source import open_gguf
-    return open_gguf(path)
-
-
-def _describe(path):
-    from .report import describe
-    return describe(path)
-
-
-def _render(result):
-    from .report import render
-    return render(result)
-
-
-register_container(Container("gguf", gguf.looks_like_gguf, _open, _describe, _render))
+register_container(Container("gguf", gguf.looks_like_gguf, lazy("gguf.source", "open_gguf"),
+                             lazy("gguf.report", "describe"), lazy("gguf.report", "render")))
 # `--to gguf`: one llama.cpp file (writer.py), its options (core/options.py's fields) and their values checked
-register_file_target(FileTarget("gguf", "gguf", gguf.WRITER_OPTIONS, lazy("gguf.writer", "check_options"),
-                                lazy("gguf.writer", "convert_to_gguf")))
+register_file_target(FileTarget("gguf", "gguf", gguf.WRITER_OPTIONS, lazy("gguf.writer", "convert_to_gguf")))
