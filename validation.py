@@ -370,7 +370,7 @@ _KERNELS: dict = {}                 # name -> registry.Kernel, as _kernel_name f
 def _kernel_name(side: Side, e: Entry) -> str | None:
     """The name of the producer's kernel that can run this layer here (its family's Family.kernel), or None."""
     m = e.module
-    if m is None or m.family == "float":
+    if m is None:
         return None
     kernel = family(m.family).kernel_for(m, side.det.qc)
     if kernel is None:

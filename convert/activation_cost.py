@@ -28,7 +28,7 @@ from ..formats.storage.checkpoint import Component
 from ..formats.core.detect import Detection
 from ..formats.core.ir import QuantTensor
 from ..formats.core.layout import QuantModule
-from ..formats.core.reader import model_dtype, read_float_rows, read_module, require_decodable
+from ..formats.core.reader import model_dtype, read_module, require_decodable
 from ..formats.core.registry import family
 from ..probes import outlier_activations
 
@@ -62,7 +62,7 @@ def channel_windows(out: int, step: int = 1) -> list[tuple[int, int]]:
 
 
 def _step(q: QuantModule) -> int:
-    return 1 if q.family == "float" else family(q.family).row_step(q)
+    return family(q.family).row_step(q)
 
 
 def _by_rows(windows: list[tuple[int, int]], inp: int, fn) -> np.ndarray:
@@ -75,8 +75,6 @@ def _by_rows(windows: list[tuple[int, int]], inp: int, fn) -> np.ndarray:
 def _source_kernel(comp: Component, det: Detection, m: QuantModule, x: np.ndarray):
     """(label, output) of the source's own kernel where it quantizes activations at run time (a registry
     Kernel with source_output: bitsandbytes' LLM.int8), or None when there is none or it cannot run here."""
-    if m.family == "float":
-        return None
     kernel = family(m.family).kernel_for(m, det.qc)
     if kernel is None or kernel.source_output is None:
         return None
@@ -117,11 +115,7 @@ def activation_cost(src: Component, det: Detection, modules: list[QuantModule], 
             ys["float"].append(_by_rows(local, in_f, lambda r0, r1: x64 @ target.dequantize_rows(r0, r1).astype(np.float64).T))
             ys["target"].append(_by_rows(local, in_f, lambda r0, r1: int8_token_matmul(x, target, (r0, r1))))
             if kernel == "float":
-                if m.family == "float":
-                    def rows_of(r0, r1, w0=w0):
-                        return read_float_rows(src, m, (w0 + r0, w0 + r1))
-                else:
-                    rows_of = read_module(src, det, m, src_dtype, rows).dequantize_rows
+                rows_of = read_module(src, det, m, src_dtype, rows).dequantize_rows
                 ys["source"].append(_by_rows(local, in_f, lambda r0, r1: x64 @ rows_of(r0, r1).astype(np.float64).T))
         y_float, y_target = np.hstack(ys["float"]), np.hstack(ys["target"])
         if kernel == "float":

@@ -40,8 +40,8 @@ from .engine import DEFAULT_MAX_SHARD, OutTensor, made_warnings, passthrough, ru
 from ..formats.core.options import FLOAT_TARGETS, Options, refuse_options
 from .parallel import Replan
 from ..formats.core.requantize import combined, error_sums, layer_error_of, requantize, unmeasurable, unrepresentable
-from ..formats.core.source import (check_source, exact_rows, exact_weights, float_rows, linear_modules, read_float, refuse,
-                     source_spec)
+from ..formats.core.source import (check_source, exact_rows, exact_weights, linear_modules, refuse,
+                     source_spec, whole)
 from ..formats.core.tally import Stats, Tally
 
 # The quantized targets are the format registry's (formats/core/registry.py: caps or fit, plan, leaves,
@@ -151,7 +151,7 @@ def _kept_scale_dtype(m: QuantModule, comp: Component, src: QuantSpec, caps, src
     scales in another dtype (float16 GPTQ scales of a bfloat16 model, SCB absmax / 127) are rarely all
     exact and keep the default. None: the default (the source's dtype, or caps.divisor_scale)."""
     code = SCALE_CODES.get(src_dtype)
-    scale_tensor = registered_family(m.family).scale_tensor if m.family != "float" else None
+    scale_tensor = registered_family(m.family).scale_tensor
     if code in (None, "F32", src.scale_dtype) or code not in caps.scale_dtypes or scale_tensor is None:
         return None
     info = comp.tensors.get(m.name + scale_tensor)
@@ -332,8 +332,7 @@ def _stream_windows(tgt, spec: QuantSpec, m: QuantModule, g_idx: bool, settings:
     if out == 0 or inp == 0 or spec.flat or (tgt.requantize is not None and not tgt.requantize_rows):
         return None
     step = max(1, spec.block_rows)
-    if m.family != "float":
-        step = math.lcm(step, registered_family(m.family).row_step(m))
+    step = math.lcm(step, registered_family(m.family).row_step(m))
     per = max(step, STREAM_WINDOW // inp // step * step)
     if per >= out:
         return None                            # one window: the module as a whole
@@ -428,10 +427,9 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
 
     def encoded(settings: dict, into: Tally | None = None):
         st = Stats()
-        if m.family == "float":
-            source = float_rows(comp, m) if lossy else read_float(comp, m)
-        else:
-            source = read_module(comp, det, m, src_dtype)
+        source = read_module(comp, det, m, src_dtype)      # a float module's rows: read as they are needed
+        if not lossy:
+            source = whole(source)
         qt, err = requantized(source, settings) if lossy else (_retarget(source, spec, st, tgt, settings), None)
         leaves = checked_leaves(source, qt, err, st)
         if lossy:
@@ -442,8 +440,7 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
         return leaves
 
     def weights():                            # ExactRows: a plan reads them a window at a time
-        source = float_rows(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
-        return exact_rows(comp, m, source)
+        return exact_rows(comp, m, read_module(comp, det, m, src_dtype))
 
     settings = {}
     if tgt.plan is not None:                  # settings the header needs first (a nested double-quant offset)
@@ -455,10 +452,7 @@ def _module_writer(comp, det, m: QuantModule, spec: QuantSpec, opts: Options, ca
         st, errors, source_name = Stats(), [], []
 
         def window(r0: int, r1: int) -> dict:
-            if m.family == "float":
-                source = float_rows(comp, m, (r0, r1))
-            else:
-                source = read_module(comp, det, m, src_dtype, (r0, r1))
+            source = read_module(comp, det, m, src_dtype, (r0, r1))
             source_name.append(source.spec.name)
             qt, err = requantized(source, settings)
             errors.append(err)

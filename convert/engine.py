@@ -269,7 +269,7 @@ def run(src: Path, dst: Path, convert_component: Callable[[Component, Path], dic
     t0 = time.monotonic()
     if target.kind == "pipeline":
         # every component is checked: a float one with stray quantization data is refused, not copied
-        todo = [c for c in target.components if require_decodable(c).method != "unquantized"]
+        todo = [c for c in target.components if require_decodable(c).modules]
         if not todo:
             raise UnsupportedFormat("no component of this pipeline is quantized; there is nothing to "
                                     "convert or dequantize", file=src)

@@ -52,6 +52,10 @@ def fused_group(name: str) -> str:
     return name
 
 
+# The family of a float model's Linears, which data-free conversion quantizes (formats/unquantized/).
+UNQUANTIZED = "unquantized"
+
+
 @dataclass(frozen=True)
 class QuantModule:
     name: str

@@ -11,9 +11,10 @@ from ..storage.checkpoint import Component
 from ..storage.tensor_io import FLOAT_CODES
 from . import structure
 from .detect import DECODED_METHODS, Detection, detect
-from .ir import QuantTensor, nonfinite_weight
+from .ir import FloatWeight, QuantTensor, nonfinite_weight
 from .layout import QuantModule, module_of
 from .registry import dialects_for, families, family
+from .requantize import ExactRows
 
 
 def require_decodable(comp: Component) -> Detection:
@@ -33,7 +34,7 @@ def require_decodable(comp: Component) -> Detection:
                                 file=comp.index_file, tensor=name)
     if det.cfg_method not in DECODED_METHODS:
         raise UnsupportedFormat(f"quant_method {det.cfg_method!r} is not a method qconv decodes (it reads "
-                                f"{', '.join(f.method for f in families())} and auto-round); refusing to "
+                                f"{', '.join(f.method for f in families() if f.quantized)} and auto-round); refusing to "
                                 f"write it as anything else", file=comp.path / det.qc_source)
     for dialect in dialects_for(det.cfg_method):
         refusal = dialect.refuse(det.qc) if dialect.refuse is not None and det.qc else None
@@ -117,24 +118,6 @@ def model_dtype(comp: Component, det: Detection) -> str:
     return "float16"
 
 
-def read_float_rows(comp: Component, m: QuantModule, rows: tuple[int, int] | None = None):
-    """Rows r0:r1 (all: None) of an unquantized Linear's weight (a module of family "float", which
-    data-free conversion quantizes) as float32; a split expert (experts.split_module) as its rows of the
-    fused [E, R, in] tensor it is a view of."""
-    from dataclasses import replace
-
-    from ..storage.tensor_io import read_array, to_float32
-
-    info = comp.tensors[m.weight_tensors[0]]
-    r0, r1 = rows or (0, m.out_features)
-    view = m.details.get("rows_of")
-    if view is not None:
-        info = replace(info, shape=(info.shape[0] * info.shape[1], info.shape[2]))
-        r0, r1 = view[1] + r0, view[1] + r1
-    whole = view is None and rows is None
-    return to_float32(read_array(info, rows=None if whole else (r0, r1)), info.dtype)
-
-
 def read_module(comp: Component, det: Detection, m: QuantModule, dtype: str,
                 rows: tuple[int, int] | None = None) -> QuantTensor:
     """The module (or its output rows r0:r1, see Family.read) as a QuantTensor; a split expert
@@ -143,6 +126,8 @@ def read_module(comp: Component, det: Detection, m: QuantModule, dtype: str,
     divisor of 1e-30: ir.nonfinite_weight) is refused here for all of them, before anything is written
     from it: no float folder, requantization or comparison can stand for such a weight."""
     qt = _read_module(comp, det, m, dtype, rows)
+    if isinstance(getattr(qt, "values", None), ExactRows):
+        return qt                # rows read as they are needed, each window refused there if not finite
     bad = nonfinite_weight(qt)
     if bad is not None:
         r, c, value = bad
@@ -176,6 +161,12 @@ def _strided_rows(qt: QuantTensor, step: int) -> QuantTensor:
     flat code book's blocks over the whole weight)."""
     from dataclasses import replace
 
+    if isinstance(qt, FloatWeight):
+        values = qt.values
+        rows = (qt.shape[0] + step - 1) // step
+        return replace(qt, shape=(rows, qt.shape[1]),
+                       values=ExactRows((rows, qt.shape[1]), lambda r0, r1: np.asarray(values[r0 * step:(r1 - 1) * step + 1])[::step])
+                       if isinstance(values, ExactRows) else values[::step])
     if qt.spec.flat:
         raise AssertionError("interleaved rows of a flat code book")
     pick = (lambda a: None if a is None else a[::step])

@@ -51,6 +51,9 @@ class Family:
     # (m, qc) -> Kernel | None: the producer's own matmul for a module, where it can run here (a module,
     # relative to qconv.formats, holding ``kernel``: "bnb.kernel"); None: the family has none
     kernel: str | None = None
+    # whether its modules hold codes (False: the "unquantized" family, a float model's Linears, which
+    # data-free conversion quantizes and no config names)
+    quantized: bool = True
 
     def kernel_for(self, m: QuantModule, qc: Mapping | None):
         """The producer's kernel for this module (Kernel), or None."""

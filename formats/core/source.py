@@ -17,10 +17,9 @@ from ..storage.tensor_io import FLOAT_NAMES
 from .detect import METHOD_NAMES, Detection
 from .experts import is_fused_name, split_module, why_not_split
 from .ir import FloatSpec, FloatWeight, QuantSpec
-from .layout import QuantModule, block_prefix, natural_key
+from .layout import UNQUANTIZED, QuantModule, block_prefix, natural_key
 from .minifloat import BOOKS
 from .options import FLOAT_TARGETS, Options
-from .reader import read_float_rows
 from .registry import family as registered_family, target as registered_target
 from .requantize import ExactRows
 from .threads import on_cores
@@ -63,40 +62,24 @@ def data_free_modules(comp: Component, opts: Options) -> list[QuantModule]:
         if info.dtype in FLOAT_NAMES and min(info.shape) > 0 and block_prefix(name) \
                 and not _VISION.search(name) and "embed" not in leaf and leaf not in _ROUTERS:
             out, inp = info.shape
-            modules.append(QuantModule(name, "float", FLOAT_NAMES[info.dtype], DTYPES[info.dtype][0], out, inp,
+            modules.append(QuantModule(name, UNQUANTIZED, FLOAT_NAMES[info.dtype], DTYPES[info.dtype][0], out, inp,
                                        (info.name,), (), details={"dtype": FLOAT_NAMES[info.dtype]}))
     for name, info in comp.tensors.items():      # fused experts [E, R, in]: one Linear per expert
         if len(info.shape) == 3 and info.dtype in FLOAT_NAMES and is_fused_name(name) and block_prefix(name) \
                 and not _VISION.search(name) and min(info.shape) > 0:
             experts, rows, inp = info.shape
-            fused = QuantModule(name, "float", FLOAT_NAMES[info.dtype], DTYPES[info.dtype][0], experts * rows,
+            fused = QuantModule(name, UNQUANTIZED, FLOAT_NAMES[info.dtype], DTYPES[info.dtype][0], experts * rows,
                                 inp, (info.name,), (), details={"dtype": FLOAT_NAMES[info.dtype]}, experts=experts)
             modules.extend(split_experts(comp, fused, opts))
     return sorted(modules, key=lambda m: natural_key(m.name))
 
 
-def read_float(comp: Component, m: QuantModule) -> FloatWeight:
-    """An unquantized module's whole float32 weight (refused where it holds a NaN or infinity)."""
-    lazy = float_rows(comp, m)
-    return replace(lazy, values=np.asarray(lazy.values))
-
-
-def float_rows(comp: Component, m: QuantModule, rows: tuple[int, int] | None = None) -> FloatWeight:
-    """An unquantized module to requantize (its output rows r0:r1 where given), its rows read from the
-    file as they are needed (ExactRows), each window refused when it holds a NaN or infinity, as
-    read_float refuses the whole."""
-    info = comp.tensors[m.weight_tensors[0]]
-    first, last = rows or (0, m.out_features)
-
-    def read(r0: int, r1: int) -> np.ndarray:
-        values = read_float_rows(comp, m, (first + r0, first + r1))
-        if not np.isfinite(values).all():
-            raise CorruptCheckpoint("holds non-finite weights (NaN or infinity); they cannot be quantized",
-                                    file=info.file, tensor=info.name)
-        return values
-
-    shape = (last - first, m.in_features)
-    return FloatWeight(FloatSpec(m.scheme), shape, m.scheme, ExactRows(shape, parallel_rows(read, shape)))
+def whole(source):
+    """A source read lazily (a float module's rows, core/requantize.ExactRows) as one float32 array: what
+    the paths that re-express a whole module take. Any other source is returned as it is."""
+    if isinstance(source, FloatWeight) and not isinstance(source.values, np.ndarray):
+        return replace(source, values=np.asarray(source.values))
+    return source
 
 
 def parallel_rows(read, shape):
@@ -135,7 +118,7 @@ def exact_weights(comp: Component, m: QuantModule, source) -> np.ndarray:
     """The source module's exact float32 weight, which a lossy path requantizes: refused where it is not
     finite (a float source's NaN was refused when read; a quantized one's here, dequantize.finite_rows)."""
     if isinstance(source, FloatWeight):
-        return source.values
+        return np.asarray(source.values)
     return finite_rows(comp, m, source, 0, m.out_features)
 
 
@@ -169,7 +152,7 @@ def split_experts(comp: Component, m: QuantModule, opts: Options) -> list[QuantM
     loaders read; refused where the model type's fused layout is not the one qconv splits, or the rows
     do not split."""
     why = why_not_split(comp.config, m)
-    step = 1 if m.family == "float" else registered_family(m.family).row_step(m)
+    step = registered_family(m.family).row_step(m)
     views = []
     if why is None:
         try:
@@ -189,8 +172,6 @@ def split_experts(comp: Component, m: QuantModule, opts: Options) -> list[QuantM
 
 def source_spec(comp, det: Detection, m: QuantModule, src_dtype: str) -> QuantSpec:
     """The source module's spec without decoding its data (from headers and config)."""
-    if m.family == "float":
-        return FloatSpec(m.scheme)
     own = registered_family(m.family).spec(m, comp.tensors, det.qc)
     if own is not None:                         # the family's own rule (MLX: zero points from the data)
         return own

@@ -32,7 +32,7 @@ from ..core.layout import QuantModule, natural_key
 from ..core.options import Options, refuse_options
 from ..core.reader import model_dtype, read_module, require_decodable
 from ..core.requantize import requantize, unrepresentable
-from ..core.source import check_source, exact_rows, exact_weights, read_float, source_spec, split_experts
+from ..core.source import check_source, exact_rows, exact_weights, source_spec, split_experts, whole
 from ..core.tally import Stats, Tally
 from ..storage.checkpoint import Component, open_target
 from ..storage.safetensors_writer import DEFAULT_MAX_SHARD
@@ -163,7 +163,7 @@ def _module_out(comp, det, m: QuantModule, opts: Options, arch, name: str, src_d
 
     def chunks():
         st = Stats(modules=1)
-        source = read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
+        source = whole(read_module(comp, det, m, src_dtype))
         qt, lossy = source, reason
         blocks = None
         if not lossy:
@@ -234,7 +234,7 @@ def _dequantized_out(comp, det, m: QuantModule, name: str, src_dtype: str, heads
     rounding = _Rounding(code, m.name, comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else comp.path)
 
     def chunks():
-        source = read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
+        source = whole(read_module(comp, det, m, src_dtype))
         rows = rounding.encode(exact_weights(comp, m, source))
         yield codec.permute_rows(rows, heads) if heads else rows
 
@@ -737,7 +737,7 @@ def _mismatch(comp, det, modules, part: str, got: np.ndarray, entry: dict, error
     from the source; None where they are (check)."""
     m = modules.get(part)
     if m is not None:
-        source = read_float(comp, m) if m.family == "float" else read_module(comp, det, m, src_dtype)
+        source = whole(read_module(comp, det, m, src_dtype))
         ref = exact_weights(comp, m, source)
         heads = garch.heads_of(comp.config, part + ".weight") if permute else None
     else:

@@ -143,8 +143,8 @@ def plan_nvfp4(ctx) -> dict:
     weight = tensors[m.weight_tensors[0]]
     act = ctx.activation if ctx.activation is not None and ctx.activation.scheme == "nvfp4" else None
     if ctx.reason or act is None or m.family not in _WEIGHT_GLOBAL:
-        method = "" if m.family == "float" else family(m.family).method
-        what = (f"an unquantized {m.scheme} model" if m.family == "float" else
+        method = family(m.family).method
+        what = (f"an unquantized {m.scheme} model" if not family(m.family).quantized else
                 f"{method} {m.scheme}, not NVFP4" if ctx.reason else
                 f"{method} NVFP4 with no static activation scale (weights only: no input scale)")
         raise UnsupportedFormat(f"is {what}: {NVFP4_TARGET} is ModelOpt's W4A4 NVFP4, whose loaders (vLLM's "

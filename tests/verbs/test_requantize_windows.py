@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import qconv
 from conftest import CHECKPOINTS, load_tensors
-from qconv.convert import convert as convert_mod
+from qconv.convert import activation_cost, convert as convert_mod
 from qconv.formats.core import requantize as rq
 from qconv.formats.compressed_tensors import codec as ct_codec
 
@@ -54,6 +54,7 @@ def test_small_windows_give_the_same_bytes_and_never_the_whole_weight(tmp_path, 
     monkeypatch.setattr(convert_mod, "REQUANTIZE_WINDOW", 8192)  # ... windows of 32 rows
     monkeypatch.setattr(convert_mod, "STREAM_WINDOW", 16384)     # ... written 64 rows at a time
     monkeypatch.setattr(ct_codec, "ABSMAX_WINDOW", 8192)        # NVFP4's planned maximum: 32 rows at a time
+    monkeypatch.setattr(activation_cost, "BLOCK_ELEMENTS", 4096)  # W8A8's activation cost: 16 rows at a time
     streams = []
     stream = convert_mod._Stream.__init__
     monkeypatch.setattr(convert_mod._Stream, "__init__", lambda self, windows, *a: streams.append(len(windows))

@@ -88,3 +88,40 @@ def test_column_windows_read_only_their_bytes(tmp_path):
     os.truncate(path, os.path.getsize(path) - 4 * 20)
     with pytest.raises(CorruptCheckpoint, match="truncated"):
         read_array(info, cols=(24, 32))
+
+
+def _float_rows(comp, name):
+    from qconv.formats.storage.tensor_io import to_float32
+
+    info = comp.tensors[name]
+    return to_float32(read_array(info), info.dtype).reshape(-1, info.shape[-1])
+
+
+@pytest.mark.parametrize("name", ["llama-fp16", "qwen3moe-bf16"])
+def test_an_unquantized_module_reads_through_the_registry_by_windows(name):
+    """A float model's Linears (the "unquantized" family, which data-free conversion quantizes) read like
+    any family's modules: whole, by windows, and an interleaved per-expert view (gpt-oss' gate / up rows,
+    experts.split_interleaved) as every other row: each equal to the stored values."""
+    from dataclasses import replace
+
+    from qconv.formats.core.experts import split_interleaved
+    from qconv.formats.core.options import Options
+    from qconv.formats.core.source import data_free_modules
+
+    comp = open_target(CHECKPOINTS / name).components[0]
+    det = require_decodable(comp)
+    modules = data_free_modules(comp, Options("gptq"))
+    assert modules and {m.family for m in modules} == {"unquantized"}
+    for m in modules[:12]:
+        want = _float_rows(comp, m.weight_tensors[0])
+        assert np.array_equal(np.asarray(read_module(comp, det, m, "float32").values), want)
+        cut = m.out_features // 3
+        part = read_module(comp, det, m, "float32", rows=(cut, m.out_features))
+        assert np.array_equal(part.dequantize_rows(0, m.out_features - cut), want[cut:])
+    parent = replace(modules[0], experts=2)               # two "experts" of interleaved gate / up rows
+    raw = _float_rows(comp, parent.weight_tensors[0])
+    for v in split_interleaved(parent):
+        first = v.details["rows_of"][1]
+        want = raw[first:first + 2 * v.out_features:2]
+        assert np.array_equal(np.asarray(read_module(comp, det, v, "float32").values), want)
+        assert np.array_equal(read_module(comp, det, v, "float32", rows=(1, 3)).dequantize_rows(0, 2), want[1:3])
