@@ -16,11 +16,11 @@ __version__ = "0.1.0"
 from . import convert  # noqa: E402  the package, callable as the verb (convert/__init__.py)
 from .api import (ConvertOptions, ConvertResult, DequantizeOptions, DequantizeResult, InspectOptions,  # noqa: E402
                   InspectResult, ProgressEvent, ValidateOptions, ValidateResult, bnb8_to_gptq, dequantize,
-                  inspect, targets, to_json, validate)
+                  inspect, target_options, targets, to_json, validate)
 from .errors import (CheckFailed, CorruptCheckpoint, InputNotFound, OutputError, QconvError,  # noqa: E402
                      UnsupportedFormat, UsageError, ValidationFailed)
 
-__all__ = ["inspect", "convert", "bnb8_to_gptq", "dequantize", "validate", "targets", "to_json",
+__all__ = ["inspect", "convert", "bnb8_to_gptq", "dequantize", "validate", "targets", "target_options", "to_json",
            "InspectOptions", "ConvertOptions", "DequantizeOptions", "ValidateOptions",
            "InspectResult", "ConvertResult", "DequantizeResult", "ValidateResult", "ProgressEvent",
            "QconvError", "UsageError", "InputNotFound", "CorruptCheckpoint", "UnsupportedFormat", "OutputError",

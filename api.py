@@ -30,81 +30,45 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import CheckFailed, UsageError, ValidationFailed
+from .formats.core.options import DEFAULT_MAX_SHARD, FLOAT_TARGETS, Options, convert_targets, declared, parse_size
+from .formats.core.options import check_choice as _choice, check_flag as _flag, check_int as _int_in
+from .formats.core.options import check_jobs as _jobs, what as _what
 from .progress import ProgressCallback, ProgressEvent, reporting
 
 __all__ = ["inspect", "convert", "bnb8_to_gptq", "dequantize", "validate",
-           "InspectOptions", "ConvertOptions", "DequantizeOptions", "ValidateOptions",
+           "InspectOptions", "ConvertOptions", "DequantizeOptions", "ValidateOptions", "target_options",
            "InspectResult", "ConvertResult", "DequantizeResult", "ValidateResult",
            "ProgressEvent", "targets", "to_json", "parse_size"]
 
-FLOAT_TARGETS = ("float16", "bfloat16", "float32")
-GGUF_ASYM = ("q5_0", "q4_1")
-GGUF_FLOAT_TYPES = ("auto", "f32", "f16", "bf16", "q8_0")
 SCALE_DTYPES = FLOAT_TARGETS
 DEQUANTIZE_DTYPES = ("auto",) + FLOAT_TARGETS
-BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
-QUANT_STORAGES = ("uint8", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 ROWS = ("all", "sampled")
 KERNELS = ("sampled", "all")
-DEFAULT_MAX_SHARD = "5GB"
 SAMPLES_RANGE = (1, 4096)
 SEED_RANGE = (0, 2**32 - 1)
 
 
 def targets() -> tuple[str, ...]:
     """The names ``convert(to=...)`` takes: the format registry's quantized targets, then the float ones."""
-    from .formats.core.registry import file_targets, targets as registered
-
-    return (tuple(t.name for t in registered() if not t.internal) + tuple(t.name for t in file_targets())
-            + FLOAT_TARGETS)
+    return convert_targets()
 
 
-def _what(name: str) -> str:
-    """An option as both spellings name it: the keyword and the command line's flag."""
-    return f"{name} (--{name.replace('_', '-')})"
-
-
-def parse_size(value: int | str, what: str = _what("max_shard_size")) -> int:
-    """Bytes from 5_000_000_000, "5GB", "500MB", "2GiB", ...; a usage error for anything else (0, negative,
-    nan, inf, unknown units)."""
-    if isinstance(value, bool):
-        raise UsageError(f"{what} {value!r} is not a size like 5GB or 500MB")
-    if isinstance(value, int):
-        if value >= 1:
-            return value
-        raise UsageError(f"{what} {value!r} is not a size like 5GB or 500MB")
-    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "B": 1}
-    t = str(value).strip().upper()
-    for unit, factor in units.items():
-        if t.endswith(unit):
-            try:
-                number = float(t[: -len(unit)])
-            except ValueError:
-                break
-            if math.isfinite(number) and number * factor >= 1:     # not nan, inf, 0 or negative
-                return int(number * factor)
-            break
-    raise UsageError(f"{what} {value!r} is not a size like 5GB or 500MB")
-
-
-def _choice(name: str, value, choices) -> None:
-    if value is not None and value not in choices:
-        raise UsageError(f"{_what(name)} {value!r} is not one of {', '.join(map(str, choices))}")
-
-
-def _int_in(name: str, value, lo: int, hi: int | None = None) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-        raise UsageError(f"{_what(name)} {value!r} is not an integer in {bound}")
-
-
-def _flag(name: str, value, *, optional: bool = False) -> None:
-    """A yes/no option: True or False (None too where it means "the source's"); "no" is not False."""
-    if not (isinstance(value, bool) or (optional and value is None)):
-        raise UsageError(f"{_what(name)} {value!r} is not True or False")
+def target_options(to: str | None = None) -> dict[str, dict]:
+    """The target options ``convert`` takes, as the targets declare them: {keyword: {"flag", "help",
+    "targets", "default", "choices"}}, one entry per declaration (a keyword two targets declare with their
+    own meaning, block_size, has one per meaning); to: only the options of that target."""
+    if to is not None:
+        _choice("to", to, convert_targets())
+    out = {}
+    for name, decls in declared().items():
+        for opt, names in decls:
+            if to is not None and to not in names:
+                continue
+            out.setdefault(name, []).append({"flag": opt.flag, "help": opt.help, "targets": list(names),
+                                             "default": opt.default, "choices": list(opt.choices),
+                                             "deprecated": list(opt.deprecated)})
+    return out
 
 
 def _path(name: str, value) -> Path:
@@ -113,14 +77,6 @@ def _path(name: str, value) -> Path:
     if not isinstance(fspath, str) or not fspath:
         raise UsageError(f"{name} {value!r} is not a path (a non-empty str or os.PathLike)")
     return Path(fspath)
-
-
-def _jobs(value: int | None) -> int:
-    """--jobs: worker processes that write output shards (convert/parallel.py); None: the machine's cores."""
-    from .formats.core.threads import machine_cores
-
-    _int_in("jobs", value, 1)
-    return machine_cores() if value is None else value
 
 
 # --- options: one frozen model per verb, built by the CLI and the API alike --------------------------------
@@ -133,72 +89,10 @@ class InspectOptions:
         _flag("strict", self.strict)
 
 
-def parse_block_size(value) -> tuple[int, int] | None:
-    """An FP8 block: "128x128" (or "128,128"), a pair of positive ints, or None."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        parts = value.lower().replace(",", "x").split("x")
-        try:
-            value = tuple(int(p) for p in parts)
-        except ValueError:
-            value = None
-    if (not isinstance(value, (tuple, list)) or len(value) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
-        raise UsageError(f"{_what('block_size')} {value!r} is not a block size: use ROWSxCOLS, e.g. 128x128")
-    return tuple(value)
-
-
-@dataclass(frozen=True)
-class ConvertOptions:
-    """What ``qconv convert`` / ``qconv.convert`` takes. None means "the source's" (see ``qconv convert --help``)."""
-    to: str
-    bits: int | None = None
-    group_size: int | None = None          # -1: one group per output row
-    sym: bool | None = None
-    scale_dtype: str | None = None         # float16 | bfloat16 | float32
-    blocksize: int | None = None           # bnb4 targets
-    double_quant: bool | None = None       # bnb4 targets
-    quant_storage: str | None = None       # bnb4 targets
-    block_size: tuple[int, int] | str | None = None   # fp8 targets: (rows, cols) or "128x128"
-    validate: bool = False                 # check every layer against SRC before DST is published
-    overwrite: bool = False
-    max_shard_size: int | str = DEFAULT_MAX_SHARD
-    source: str | None = None              # the only source method accepted (bnb8_to_gptq: "bnb8")
-    jobs: int | None = None                # worker processes for the output shards (None: the machine's cores)
-    search: bool = True                    # False: integer requantization is round-to-nearest, no search
-    gguf_asym: str = "q5_0"                # gguf: block type of 4-bit asymmetric modules (q5_0 exact, q4_1)
-    gguf_float: bool = False               # gguf: modules whose codes cannot be kept stored as float
-    gguf_float_type: str = "auto"          # gguf: type of embeddings, lm_head, --gguf-float modules
-
-    def __post_init__(self):
-        _choice("to", self.to, targets())
-        for name in ("validate", "overwrite", "search", "gguf_float"):
-            _flag(name, getattr(self, name))
-        for name in ("sym", "double_quant"):
-            _flag(name, getattr(self, name), optional=True)
-        _choice("gguf_asym", self.gguf_asym, GGUF_ASYM)
-        _choice("gguf_float_type", self.gguf_float_type, GGUF_FLOAT_TYPES)
-        object.__setattr__(self, "jobs", _jobs(self.jobs))
-        _int_in("bits", self.bits, 2, 8)
-        if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
-                                            or (self.group_size != -1 and self.group_size < 1)):
-            raise UsageError(f"{_what('group_size')} {self.group_size!r} is not a group size: use -1 (one group "
-                             f"per output row) or a positive number")
-        _choice("scale_dtype", self.scale_dtype, SCALE_DTYPES)
-        _choice("blocksize", self.blocksize, BLOCKSIZES)
-        _choice("quant_storage", self.quant_storage, QUANT_STORAGES)
-        object.__setattr__(self, "block_size", parse_block_size(self.block_size))
-        object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
-
-    def conversion(self):
-        """The conversion's own settings (formats/core/options.Options)."""
-        from .formats.core.options import Options
-
-        return Options(self.to, self.bits, self.group_size, self.sym, self.scale_dtype, self.blocksize,
-                       self.double_quant, self.quant_storage, block_size=self.block_size, source=self.source,
-                       search=bool(self.search), gguf_asym=self.gguf_asym.upper(), gguf_float=bool(self.gguf_float),
-                       gguf_float_type=self.gguf_float_type)
+# What ``qconv convert`` / ``qconv.convert`` takes: the one options model every writer reads
+# (formats/core/options.Options): ConvertOptions(to, *, validate, overwrite, max_shard_size, jobs, search,
+# **the target's options). None means "the source's" (see ``qconv convert --help``).
+ConvertOptions = Options
 
 
 @dataclass(frozen=True)
@@ -341,7 +235,7 @@ def _run_convert(src, dst, opts: ConvertOptions, progress: ProgressCallback | No
     from .convert.convert import convert as run_convert
 
     with reporting(progress):
-        data = run_convert(_path("src", src), _path("dst", dst), opts.conversion(), overwrite=opts.overwrite,
+        data = run_convert(_path("src", src), _path("dst", dst), opts, overwrite=opts.overwrite,
                            max_shard_size=opts.max_shard_size, validate=opts.validate, jobs=opts.jobs)
     packed = [c for c in data["components"] if "to" in c]
     return _written(ConvertResult, data, codes_kept=sum(c["codes_kept"] for c in packed),
@@ -349,34 +243,46 @@ def _run_convert(src, dst, opts: ConvertOptions, progress: ProgressCallback | No
                     validated=bool(data["components"]) and all("validation" in c for c in data["components"]))
 
 
-def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str, bits: int | None = None,
-            group_size: int | None = None, sym: bool | None = None, scale_dtype: str | None = None,
-            blocksize: int | None = None, double_quant: bool | None = None, quant_storage: str | None = None,
-            block_size: tuple[int, int] | str | None = None, validate: bool = False, overwrite: bool = False,
-            max_shard_size: int | str = DEFAULT_MAX_SHARD, jobs: int | None = None, search: bool = True,
-            gguf_asym: str = "q5_0", gguf_float: bool = False, gguf_float_type: str = "auto",
-            progress: ProgressCallback | None = None) -> ConvertResult:
+def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str, validate: bool = False,
+            overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD, jobs: int | None = None,
+            search: bool = True, progress: ProgressCallback | None = None, **options) -> ConvertResult:
     """Rewrite ``src`` as ``to`` (``targets()``: gptq, gptq-v2, auto-round, compressed-tensors,
-    compressed-tensors-w8a8, awq, bnb8, bnb4-nf4, bnb4-fp4, float16, bfloat16, float32) at ``dst``, keeping
-    every code where the arithmetic allows and requantizing (error reported in ``result.requantized``)
-    where it does not. None means "the source's" for bits, group_size (-1: one group per row), sym and
-    scale_dtype; blocksize, double_quant and quant_storage apply to the bnb4 targets, block_size ((rows, cols)
-    or "128x128") to fp8. validate=True checks
-    every layer against ``src`` before ``dst`` is published (``ValidationFailed`` otherwise, nothing
-    written). ``dst`` must not exist or be empty unless overwrite=True. max_shard_size: bytes or "5GB".
-    jobs: worker processes writing the output shards (None: the machine's cores); the bytes are the same
-    whatever it is. search=False: modules requantized to an integer target are plain round-to-nearest
-    (no error-minimising search: several times faster, a larger error, reported as ever). to="gguf" writes
-    ``dst`` as one llama.cpp GGUF file (and its split files past max_shard_size): gguf_asym is the block type
-    of 4-bit asymmetric modules ("q5_0", exact; "q4_1", smaller, its minimum rounded to float16), gguf_float
-    stores modules whose codes cannot be kept as float instead of requantizing them, gguf_float_type is the
-    type of the 2-D float tensors (embeddings, lm_head) and of those modules ("auto": the model's dtype,
-    as llama.cpp's converter; "f32", "f16", "bf16", or "q8_0", requantized with its error reported)."""
-    opts = ConvertOptions(to, bits, group_size, sym, scale_dtype, blocksize, double_quant, quant_storage,
-                          block_size=block_size, validate=validate, overwrite=overwrite, max_shard_size=max_shard_size,
-                          jobs=jobs, search=search, gguf_asym=gguf_asym, gguf_float=gguf_float,
-                          gguf_float_type=gguf_float_type)
+    compressed-tensors-w8a8, -fp8, -nvfp4, -mxfp4, awq, fp8, modelopt-fp8, -nvfp4, mlx, bnb8, bnb4-nf4,
+    bnb4-fp4, gguf, float16, bfloat16, float32) at ``dst``, keeping every code where the arithmetic allows
+    and requantizing (error reported in ``result.requantized``) where it does not.
+
+    ``options`` are the target's own, as it declares them (``target_options(to)`` lists them with their
+    flags and help): bits, group_size (-1: one group per row), sym, scale_dtype for the integer targets
+    (None: the source's); block_size for bnb4 (N, its absmax block) and fp8 ((rows, cols) or "128x128");
+    double_quant, quant_storage for bnb4; gguf_asym ("q5_0", exact; "q4_1"), gguf_float, gguf_float_type
+    ("auto", "f32", "f16", "bf16", "q8_0") for gguf ([gguf.md](docs/gguf.md)). An option the target does not
+    take is a ``UsageError``, never ignored; ``blocksize=`` is the old spelling of bnb4's block_size
+    (a DeprecationWarning). validate=True checks every layer against ``src`` before ``dst`` is published
+    (``ValidationFailed`` otherwise, nothing written). ``dst`` must not exist or be empty unless
+    overwrite=True. max_shard_size: bytes or "5GB". jobs: worker processes writing the output shards
+    (None: the machine's cores); the bytes are the same whatever it is. search=False: modules requantized to
+    an integer target are plain round-to-nearest (no error-minimising search: several times faster, a larger
+    error, reported as ever). to="gguf" writes ``dst`` as one llama.cpp GGUF file (and its split files past
+    max_shard_size)."""
+    opts = ConvertOptions(to, validate=validate, overwrite=overwrite, max_shard_size=max_shard_size, jobs=jobs,
+                          search=search, **options)
     return _run_convert(src, dst, opts, progress)
+
+
+def _convert_signature():
+    """convert's signature as ``inspect.signature`` (and help()) shows it: the run settings, and between
+    ``to`` and them every target option the registry's targets declare, with its declared default."""
+    import inspect as pyinspect
+
+    sig = pyinspect.signature(convert)
+    params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    at = [p.name for p in params].index("to") + 1
+    declared_params = [pyinspect.Parameter(name, pyinspect.Parameter.KEYWORD_ONLY, default=decls[0][0].default)
+                       for name, decls in declared().items()]
+    return sig.replace(parameters=params[:at] + declared_params + params[at:])
+
+
+convert.__signature__ = _convert_signature()
 
 
 def bnb8_to_gptq(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, scale_dtype: str | None = None,
@@ -385,8 +291,8 @@ def bnb8_to_gptq(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, sc
     """A bitsandbytes LLM.int8 checkpoint as GPTQ 8-bit, one scale per output row, symmetric, every code kept
     (q = CB + 128); scales SCB / 127 stored as float16 unless scale_dtype says otherwise. Any other source
     method is refused (``UnsupportedFormat``)."""
-    opts = ConvertOptions("gptq", 8, -1, True, scale_dtype, validate=validate, overwrite=overwrite,
-                          max_shard_size=max_shard_size, source="bnb8", jobs=jobs)
+    opts = ConvertOptions("gptq", bits=8, group_size=-1, sym=True, scale_dtype=scale_dtype, validate=validate,
+                          overwrite=overwrite, max_shard_size=max_shard_size, source="bnb8", jobs=jobs)
     return _run_convert(src, dst, opts, progress)
 
 

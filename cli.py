@@ -15,6 +15,7 @@ import click
 
 from . import __version__, api
 from .errors import EXIT_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, CheckFailed, QconvError
+from .formats.core.options import SCALE_DTYPE, declared
 from .progress import ProgressEvent
 
 EXIT_CODES_HELP = """\b
@@ -191,10 +192,58 @@ def _show_convert(result: api.ConvertResult, as_json: bool) -> int:
     return EXIT_OK
 
 
-_SCALE_DTYPE = click.option("--scale-dtype", type=click.Choice(api.SCALE_DTYPES),
-                            default=None, help="Stored dtype of the scales (default: the source's; from "
-                                               "bitsandbytes int8: float16 for GPTQ and auto-round, float32 for "
-                                               "compressed-tensors; AWQ stores float16 or bfloat16).")
+def _target_option(name: str, decls) -> list:
+    """One flag of `qconv convert` for a target option, built from the declarations of the targets that
+    take it (formats/core/options.Option; two targets may give one name their own meaning: --block-size),
+    and a hidden flag for each older spelling. None is "not given": the options model supplies the
+    declared default and refuses an option the chosen target does not take."""
+    opt = decls[0][0]
+    flags = {o.flag for o, _ in decls}
+    if len(flags) > 1:
+        raise AssertionError(f"option {name} is declared with several flags: {sorted(flags)}")
+    text = " ".join(o.help if o.help.endswith(".") else o.help + "." for o, _ in decls)
+    choices = {o.choices for o, _ in decls}
+    kw = {"default": None, "help": text}
+    if opt.kind == "pair":
+        options = [click.option(opt.flag, name, **kw)]
+    elif opt.kind == "flag":
+        options = [click.option(opt.flag, name, is_flag=True, **kw)]
+    else:
+        kind = (click.Choice(opt.choices) if len(choices) == 1 and opt.choices and not opt.number
+                else int if all(o.number for o, _ in decls) else str)
+        options = [click.option(opt.flag, name, type=kind, metavar=opt.metavar, **kw)]
+    for o, _ in decls:
+        for old in o.deprecated:
+            options.append(click.option(f"--{old.replace('_', '-')}", f"_deprecated_{old}", default=None,
+                                        hidden=True))
+    return options
+
+
+def _target_options(fn):
+    """Every target's options, as declared (api.target_options)."""
+    for name, decls in reversed(list(declared().items())):
+        for option in reversed(_target_option(name, decls)):
+            fn = option(fn)
+    return fn
+
+
+def _old_spellings(options: dict, warned: list) -> dict:
+    """--blocksize and the like: the declared option they were renamed to; the warning for stderr is
+    added to warned (printed once the options are accepted: a refusal stays one line)."""
+    for key in [k for k in options if k.startswith("_deprecated_")]:
+        value, old = options.pop(key), key[len("_deprecated_"):]
+        if value is None:
+            continue
+        new = next(name for name, decls in declared().items() if any(old in o.deprecated for o, _ in decls))
+        flag = f"--{new.replace('_', '-')}"
+        warned.append(f"qconv: warning: --{old.replace('_', '-')} is deprecated: use {flag}")
+        if options.get(new) not in (None, value):
+            raise click.UsageError(f"--{old.replace('_', '-')} {value} and {flag} {options[new]} disagree; give {flag}")
+        options[new] = value
+    return options
+
+
+_SCALE_DTYPE = _target_option("scale_dtype", [(SCALE_DTYPE, ("gptq",))])[0]    # bnb8-to-gptq's one option
 _COMMON = [click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty."),
            click.option("--max-shard-size", default=api.DEFAULT_MAX_SHARD, show_default=True,
                         help="Largest output shard, e.g. 5GB, 500MB."),
@@ -218,39 +267,12 @@ def _common(fn):
               type=click.Choice(api.targets()),
               help="Target format (compressed-tensors: pack-quantized W{bits}A16; compressed-tensors-w8a8: "
                    "int8 weights per channel with dynamic per-token int8 activations; awq: AWQ GEMM 4-bit).")
-@click.option("--bits", type=click.IntRange(2, 8), default=None, help="Target bits (default: the source's).")
-@click.option("--group-size", type=int, default=None,
-              help="Target group size, -1 per output row (default: the source's); must divide the "
-                   "in_features of every quantized module.")
-@click.option("--sym/--asym", default=None, help="Symmetric zero points (default: the source's).")
-@_SCALE_DTYPE
-@click.option("--blocksize", type=click.Choice([str(b) for b in api.BLOCKSIZES]),
-              default=None, help="bnb4 targets: block size (default: the source's, else 64).")
-@click.option("--double-quant/--no-double-quant", default=None,
-              help="bnb4 targets: keep the source's double quantization (default) or drop it.")
-@click.option("--quant-storage", type=click.Choice(api.QUANT_STORAGES), default=None,
-              help="bnb4 targets: storage dtype of the packed weight (default: the source's, else uint8).")
-@click.option("--block-size", default=None, metavar="ROWSxCOLS",
-              help="fp8, compressed-tensors-fp8: the 2-D block of each scale (default: the source's FP8 "
-                   "block, else 128x128 for fp8 and one scale per channel for compressed-tensors-fp8).")
+@_target_options
 @click.option("--search/--no-search", default=True, show_default=True,
               help="Integer targets: requantize with the per-group error-minimising search, or plain "
                    "round-to-nearest (several times faster, a larger error; reported either way).")
-@click.option("--gguf-asym", type=click.Choice(api.GGUF_ASYM), default="q5_0", show_default=True,
-              help="gguf: block type of 4-bit asymmetric modules (GPTQ asym, AWQ): q5_0 keeps every code "
-                   "exactly (5.5 bits a weight), q4_1 too but rounds each block's minimum to float16 (5.0).")
-@click.option("--gguf-float", is_flag=True, default=False,
-              help="gguf: store modules whose codes cannot be kept as float (the model's dtype) instead of "
-                   "requantizing them to Q8_0 / Q4_0.")
-@click.option("--gguf-float-type", type=click.Choice(api.GGUF_FLOAT_TYPES), default="auto", show_default=True,
-              help="gguf: type of the 2-D float tensors (embeddings, lm_head) and of --gguf-float's modules: "
-                   "auto keeps the model's 16-bit dtype as llama.cpp's converter does; f32, f16, bf16 convert "
-                   "(rounding reported, a value f16 cannot hold refused); q8_0 requantizes (error reported). "
-                   "Norms, biases and the MoE router stay F32.")
 @_common
-def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, double_quant, quant_storage,
-                block_size, search, gguf_asym, gguf_float, gguf_float_type, overwrite, max_shard_size, jobs, as_json,
-                validate) -> int:
+def convert_cmd(src, dst, to, search, overwrite, max_shard_size, jobs, as_json, validate, **options) -> int:
     """Rewrite SRC in another format at DST, keeping every integer code where the arithmetic allows
     (bnb8 <-> GPTQ 8-bit per-row symmetric or compressed-tensors W8A8 / W8A16 per channel; GPTQ v1 <-> v2
     <-> auto-round <-> compressed-tensors <-> AWQ where the bits, groups and zero points fit). W8A8 also
@@ -259,12 +281,17 @@ def convert_cmd(src, dst, to, bits, group_size, sym, scale_dtype, blocksize, dou
     weights with a per-group error search, and each one's error is reported next to plain
     round-to-nearest's. An unquantized SRC is quantized the same way, data-free: the Linears of its
     numbered decoder stacks (4-bit, group 128, symmetric by default). Float targets dequantize.
+    The target options are each target's own (qconv.target_options()); one the target does not take
+    is refused (exit 2).
     """
-    result = api.convert(src, dst, to=to, bits=bits, group_size=group_size, sym=sym, scale_dtype=scale_dtype,
-                         blocksize=int(blocksize) if blocksize else None, double_quant=double_quant,
-                         quant_storage=quant_storage, block_size=block_size, validate=validate, overwrite=overwrite,
-                         max_shard_size=max_shard_size, jobs=jobs, search=search, gguf_asym=gguf_asym,
-                         gguf_float=gguf_float, gguf_float_type=gguf_float_type, progress=_progress())
+    warned: list[str] = []
+    given = {k: v for k, v in _old_spellings(options, warned).items() if v is not None}
+    api.ConvertOptions(to, validate=validate, overwrite=overwrite, max_shard_size=max_shard_size, jobs=jobs,
+                       search=search, **given)          # refused here (exit 2) before any warning is printed
+    for line in warned:
+        click.echo(line, err=True)
+    result = api.convert(src, dst, to=to, validate=validate, overwrite=overwrite, max_shard_size=max_shard_size,
+                         jobs=jobs, search=search, progress=_progress(), **given)
     return _show_convert(result, as_json)
 
 

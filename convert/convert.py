@@ -37,7 +37,7 @@ from ..formats.storage.checkpoint import Component
 from ..formats.storage.tensor_io import FLOAT_NAMES, encode_float, finite_scales, read_array, to_float32
 from .dequantize import dequantize_component
 from .engine import DEFAULT_MAX_SHARD, OutTensor, made_warnings, passthrough, run, write_component
-from ..formats.core.options import FLOAT_TARGETS, Options, refuse_options
+from ..formats.core.options import FLOAT_TARGETS, Options
 from .parallel import Replan
 from ..formats.core.requantize import combined, error_sums, layer_error_of, requantize, unmeasurable, unrepresentable
 from ..formats.core.source import (check_source, exact_rows, exact_weights, linear_modules, refuse,
@@ -246,7 +246,7 @@ def _one_group_size(comp: Component, modules: list[QuantModule], planned: dict, 
                 raise UnsupportedFormat(f"{opts.to} stores one group size for the whole checkpoint; {group} (that "
                                         f"of most modules) does not divide this module's {m.in_features} inputs",
                                         tensor=m.name, file=comp.tensors[m.weight_tensors[0]].file)
-            out[m.name] = (src_spec, act_order, *_target_spec(m, src_spec, replace(opts, group_size=group), comp,
+            out[m.name] = (src_spec, act_order, *_target_spec(m, src_spec, opts.replace(group_size=group), comp,
                                                               act_order, src_dtype))
     return out
 
@@ -261,7 +261,7 @@ def _written_target(comp: Component, modules: list[QuantModule], planned: dict, 
         {m.name: (planned[m.name][2], (m.out_features, m.in_features)) for m in modules})
     if written.name == opts.to:
         return opts, planned
-    opts = replace(opts, to=written.name)
+    opts = opts.replace(to=written.name)
     return opts, {m.name: (src_spec, act_order, *_target_spec(m, src_spec, opts, comp, act_order, src_dtype))
                   for m in modules for src_spec, act_order, _, _ in [planned[m.name]]}
 
@@ -668,11 +668,6 @@ def check_results(written, *, samples: int = 32, seed: int = 0) -> list[dict]:
     return results
 
 
-def check_options(opts: Options) -> None:
-    """Refuse an option the target does not take (it would be ignored, or misread), naming both."""
-    refuse_options(opts, frozenset() if opts.to in FLOAT_TARGETS else registered_target(opts.to).options)
-
-
 def convert(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
             max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False, jobs: int = 1) -> dict:
     own = file_target(opts.to)
@@ -681,6 +676,5 @@ def convert(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
                            jobs=jobs)
     if opts.to not in TARGETS:
         raise ValueError(opts.to)
-    check_options(opts)
     return run(src, dst, lambda comp, out: convert_component(comp, out, opts, max_shard_size, jobs),
                overwrite=overwrite, check=check_results if validate else None)

@@ -1,8 +1,23 @@
 """bitsandbytes: LLM.int8 (int8 codes, SCB) and 4-bit nf4 / fp4 (flat code books, absmax blocks, double
 quant). Its declarations: the bnb8 and bnb4 families, the bitsandbytes dialect, the bnb8 and bnb4-* targets."""
 
-from ..core.registry import BNB4_OPTIONS, Caps, Dialect, Family, Target, lazy, register, register_target
+from ..core.options import BITS, Option, one_of, yes_no
+from ..core.registry import Caps, Dialect, Family, Target, lazy, register, register_target
 from . import header as bnb
+
+BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+QUANT_STORAGES = ("uint8", "bfloat16", "float16", "float32")
+# The 4-bit targets' own options (codec.fit_4bit, plan_4bit): the block is --block-size, as FP8's 2-D
+# block is (bitsandbytes' own keyword, blocksize, and the flag --blocksize are accepted with a warning).
+BNB4_OPTIONS = (BITS,
+                Option("block_size", "--block-size", "bnb4-nf4, bnb4-fp4: N, the weights each absmax scales, a "
+                       "power of two in 32..4096 (default: the source's, else 64)", one_of("block_size", BLOCKSIZES),
+                       metavar="N|ROWSxCOLS", deprecated=("blocksize",)),
+                Option("double_quant", "--double-quant/--no-double-quant", "bnb4 targets: keep the source's double "
+                       "quantization (default) or drop it.", yes_no("double_quant"), kind="pair"),
+                Option("quant_storage", "--quant-storage", "bnb4 targets: storage dtype of the packed weight "
+                       "(default: the source's, else uint8).", one_of("quant_storage", QUANT_STORAGES),
+                       choices=QUANT_STORAGES))
 
 
 def _config_method(method, qc):
@@ -34,7 +49,7 @@ register_target(Target("bnb8", "bnb8", Caps(frozenset({8}), asym=False, grouped=
                        bnb.int8_leaves, bnb.config_writer(False), "bnb.codec",
                        fit=lazy("bnb.codec", "fit_int8"), retarget=lazy("bnb.codec", "retarget_int8"),
                        dynamic_activations="int8 per token, dynamic (LLM.int8: outlier columns in 16-bit)",
-                       options=frozenset({"bits"})))
+                       options=(BITS,)))
 for _name, _quant_type in bnb.FOUR_BIT_TARGETS.items():
     register_target(Target(_name, "bnb4", Caps(frozenset({4}), asym=False, per_row=False, grouped=False,
                                                scale_dtypes=frozenset({"F32"}), divisor_scale="F32"),

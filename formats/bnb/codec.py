@@ -307,11 +307,11 @@ def fit_int8(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str | 
 
 def fit_4bit(quant_type: str, m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str | None]:
     """A bnb4 target's spec for a module: its code book; blocksize, quant storage and double quant as
-    requested (request.blocksize, .quant_storage, .double_quant), else the source's where it has the same
+    requested (request.block_size, .quant_storage, .double_quant), else the source's where it has the same
     code book, else 64, uint8, none. Codes are kept where code book and blocksize are the source's and no
     double quantization is added (dropping or keeping it, or another storage dtype, keeps every value)."""
     same_book = src.scheme == quant_type
-    blocksize = request.blocksize or (src.group_size if same_book else 64)
+    blocksize = request.block_size or (src.group_size if same_book else 64)
     storage = (STORAGE_CODES[request.quant_storage] if request.quant_storage
                else (src.storage if same_book else "U8"))
     source_dq = same_book and m.details.get("double_quant", False)

@@ -1,7 +1,8 @@
 """compressed-tensors (llm-compressor): pack-quantized and int-quantized integers, float-quantized FP8,
 NVFP4 and MXFP4. Its declarations: the ct family, the compressed-tensors dialect and five targets."""
 
-from ..core.registry import FP8_OPTIONS, Caps, Dialect, Family, Target, lazy, register, register_target
+from ..core.options import FP8_OPTIONS
+from ..core.registry import Caps, Dialect, Family, Target, lazy, register, register_target
 from . import header as ct
 
 register(Family("ct", "compressed-tensors", frozenset({"compressed-tensors"}),
@@ -33,7 +34,7 @@ register_target(Target(ct.FP8_TARGET, "ct", Caps(frozenset({8}), asym=False, gro
 register_target(Target(ct.NVFP4_TARGET, "ct",
                        Caps(frozenset({4}), asym=False, per_row=False, scale_dtypes=frozenset({"F8_E4M3"})),
                        ct.nvfp4_leaves, ct.nvfp4_config, "compressed_tensors.codec",
-                       fit=lazy("compressed_tensors.codec", "fit_nvfp4"), options=frozenset(),
+                       fit=lazy("compressed_tensors.codec", "fit_nvfp4"), options=(),
                        plan=lazy("compressed_tensors.codec", "plan_nvfp4"),
                        share=lazy("compressed_tensors.codec", "share_nvfp4"),
                        requantize=lazy("compressed_tensors.codec", "requantize_nvfp4"), requantize_rows=True,
@@ -43,6 +44,6 @@ register_target(Target(ct.NVFP4_TARGET, "ct",
 register_target(Target(ct.MXFP4_TARGET, "ct",
                        Caps(frozenset({4}), asym=False, per_row=False, scale_dtypes=frozenset({"U8"})),
                        ct.mxfp4_leaves, ct.mxfp4_config, "compressed_tensors.codec",
-                       fit=lazy("compressed_tensors.codec", "fit_mxfp4"), options=frozenset(),
+                       fit=lazy("compressed_tensors.codec", "fit_mxfp4"), options=(),
                        requantize=lazy("compressed_tensors.codec", "requantize_mxfp4"), requantize_rows=True,
                        retarget=lazy("compressed_tensors.codec", "retarget_mxfp4")))

@@ -1,47 +1,307 @@
-"""The conversion's options (one model for every writer: the quantized targets of the registry, the
-float dtypes and --to gguf) and the check that refuses an option the target does not take."""
+"""The conversion's options: one model (``Options``) that the Python API (``qconv.ConvertOptions``), the
+command line and every writer read, built from what the targets declare.
+
+A target declares the options it takes (``Target.options``, ``FileTarget.options``: tuples of ``Option``):
+the keyword and field name, the command line's flag, the help text, and the check that turns a value as
+given (a keyword's or a flag's text) into what its writer reads. ``qconv convert``'s flags, the API's
+keywords and the refusal of an option a target does not take (exit 2, naming both) all come from these
+declarations: a new target's option is declared in its folder, nowhere else. Two targets may declare the
+same name with their own check (``block_size``: bitsandbytes 4-bit's 1-D block, FP8's 2-D block), under
+one flag. The run settings every target shares (validate, overwrite, max_shard_size, jobs, search) are
+the model's own fields."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from ...errors import UsageError
 
 FLOAT_TARGETS = ("float16", "bfloat16", "float32")
+SCALE_DTYPES = FLOAT_TARGETS
+DEFAULT_MAX_SHARD = "5GB"
 
+
+# --- the checks a declaration uses: each raises UsageError naming the keyword and the flag -------------
+
+def what(name: str) -> str:
+    """An option as both spellings name it: the keyword and the command line's flag."""
+    return f"{name} (--{name.replace('_', '-')})"
+
+
+def parse_size(value: int | str, name: str = "max_shard_size") -> int:
+    """Bytes from 5_000_000_000, "5GB", "500MB", "2GiB", ...; a usage error for anything else (0, negative,
+    nan, inf, unknown units)."""
+    bad = UsageError(f"{what(name)} {value!r} is not a size like 5GB or 500MB")
+    if isinstance(value, bool):
+        raise bad
+    if isinstance(value, int):
+        if value >= 1:
+            return value
+        raise bad
+    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "B": 1}
+    t = str(value).strip().upper()
+    for unit, factor in units.items():
+        if t.endswith(unit):
+            try:
+                number = float(t[: -len(unit)])
+            except ValueError:
+                break
+            if math.isfinite(number) and number * factor >= 1:     # not nan, inf, 0 or negative
+                return int(number * factor)
+            break
+    raise bad
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value is not None and value not in choices:
+        raise UsageError(f"{what(name)} {value!r} is not one of {', '.join(map(str, choices))}")
+
+
+def check_int(name: str, value, lo: int, hi: int | None = None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise UsageError(f"{what(name)} {value!r} is not an integer in {bound}")
+
+
+def check_flag(name: str, value, *, optional: bool = False) -> None:
+    """A yes/no option: True or False (None too where it means "the source's"); "no" is not False."""
+    if not (isinstance(value, bool) or (optional and value is None)):
+        raise UsageError(f"{what(name)} {value!r} is not True or False")
+
+
+def check_jobs(value: int | None) -> int:
+    """--jobs: worker processes that write output shards (convert/parallel.py); None: the machine's cores."""
+    from .threads import machine_cores
+
+    check_int("jobs", value, 1)
+    return machine_cores() if value is None else value
+
+
+def integer(name: str, lo: int, hi: int | None = None) -> Callable:
+    """A check: an int in lo..hi (the command line's digits too)."""
+    def check(value):
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)
+        check_int(name, value, lo, hi)
+        return value
+    return check
+
+
+def one_of(name: str, choices: tuple, convert: Callable = lambda v: v) -> Callable:
+    """A check: one of choices (each as the command line spells it), then convert(value)."""
+    def check(value):
+        if isinstance(value, str) and value not in choices and any(isinstance(c, int) for c in choices) \
+                and value.strip().isdigit():
+            value = int(value)
+        check_choice(name, value, choices)
+        return convert(value)
+    return check
+
+
+def yes_no(name: str) -> Callable:
+    def check(value):
+        check_flag(name, value)
+        return value
+    return check
+
+
+# --- declarations ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class Option:
+    """One target option: the keyword of ``qconv.convert`` (and ``Options``' attribute) and the flag of
+    ``qconv convert``."""
+    name: str                        # keyword and attribute (group_size)
+    flag: str                        # its flag: "--group-size"; a yes/no pair "--sym/--asym"
+    help: str                        # --help's text: which targets, what it does, its default
+    check: Callable[[Any], Any]      # value as given (a keyword's, or a flag's text) -> as the writer reads it
+    default: Any = None              # what the writer reads when it is not given (None: the source's)
+    choices: tuple = ()              # the values the command line offers (click.Choice), where they are few
+    metavar: str | None = None
+    kind: str = "value"              # "value"; "pair" (--x/--no-x: True, False, None); "flag" (given: True)
+    number: bool = False             # the command line's text is an integer (click checks it)
+    deprecated: tuple = ()           # older keyword spellings, accepted with a DeprecationWarning (and their
+                                     # flags, --blocksize, with a warning on stderr)
+
+    def value(self, given):
+        """The value the writer reads: given, checked, or the declared default."""
+        return self.check(given) if given is not None else (None if self.default is None else self.check(self.default))
+
+
+def _group_size(value):
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or (value != -1 and value < 1):
+        raise UsageError(f"{what('group_size')} {value!r} is not a group size: use -1 (one group per output row) "
+                         f"or a positive number")
+    return value
+
+
+def _block_2d(value) -> tuple[int, int]:
+    """An FP8 block: "128x128" (or "128,128"), or a pair of positive ints."""
+    if isinstance(value, str):
+        parts = value.lower().replace(",", "x").split("x")
+        try:
+            value = tuple(int(p) for p in parts)
+        except ValueError:
+            value = None
+    if (not isinstance(value, (tuple, list)) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise UsageError(f"{what('block_size')} {value!r} is not a 2-D block size for this target: use ROWSxCOLS, "
+                         f"e.g. 128x128")
+    return tuple(value)
+
+
+# The options of the integer targets (Caps negotiates them against the source), and the FP8 targets' block.
+BITS = Option("bits", "--bits", "Target bits (default: the source's).", integer("bits", 2, 8), number=True)
+GROUP_SIZE = Option("group_size", "--group-size", "Target group size, -1 per output row (default: the source's); "
+                    "must divide the in_features of every quantized module.", _group_size, number=True)
+SYM = Option("sym", "--sym/--asym", "Symmetric zero points (default: the source's).", yes_no("sym"), kind="pair")
+SCALE_DTYPE = Option("scale_dtype", "--scale-dtype", "Stored dtype of the scales (default: the source's; from "
+                     "bitsandbytes int8: float16 for GPTQ and auto-round, float32 for compressed-tensors; AWQ "
+                     "stores float16 or bfloat16).", one_of("scale_dtype", SCALE_DTYPES), choices=SCALE_DTYPES)
+BLOCK_2D = Option("block_size", "--block-size", "fp8, compressed-tensors-fp8: ROWSxCOLS, the 2-D block of each "
+                  "scale (default: the source's FP8 block, else 128x128 for fp8 and one scale per channel for "
+                  "compressed-tensors-fp8)", _block_2d, metavar="N|ROWSxCOLS")
+INTEGER_OPTIONS = (BITS, GROUP_SIZE, SYM, SCALE_DTYPE)
+FP8_OPTIONS = (BLOCK_2D,)
+
+
+def declared() -> dict[str, list[tuple[Option, tuple[str, ...]]]]:
+    """Every option the --to choices declare: name -> [(declaration, the targets declaring it)], in the
+    order of first declaration (the command line's and --help's order)."""
+    from .registry import file_targets, targets
+
+    out: dict[str, list] = {}
+    for t in [t for t in targets() if not t.internal] + list(file_targets()):
+        for opt in t.options:
+            decls = out.setdefault(opt.name, [])
+            for i, (o, names) in enumerate(decls):
+                if o == opt:
+                    decls[i] = (o, names + (t.name,))
+                    break
+            else:
+                decls.append((opt, (t.name,)))
+    return out
+
+
+def convert_targets() -> tuple[str, ...]:
+    """The --to choices: the registry's quantized targets, its file targets (gguf), then the float dtypes."""
+    from .registry import file_targets, targets
+
+    return (tuple(t.name for t in targets() if not t.internal) + tuple(t.name for t in file_targets())
+            + FLOAT_TARGETS)
+
+
+def target_options(to: str) -> tuple[Option, ...]:
+    """The options --to takes (the float dtypes: none)."""
+    from .registry import file_target, target
+
+    if to in FLOAT_TARGETS:
+        return ()
+    own = file_target(to)
+    return tuple((own or target(to)).options)
+
+
+# --- the model -----------------------------------------------------------------------------------------
+
+_RUN = ("source", "search", "validate", "overwrite", "max_shard_size", "jobs")
+
+
 class Options:
-    to: str
-    bits: int | None = None
-    group_size: int | None = None
-    sym: bool | None = None
-    scale_dtype: str | None = None      # None: the source's (bnb int8 sources: float16)
-    # Options of the targets that take them (their Target.fit / plan: bitsandbytes 4-bit)
-    blocksize: int | None = None        # None: the source's, else 64
-    double_quant: bool | None = None    # None: the source's, else off
-    quant_storage: str | None = None    # None: the source's, else uint8
-    block_size: tuple[int, int] | None = None   # FP8 targets' 2-D block (None: the source's, else 128 x 128)
-    source: str | None = None           # the only source method accepted (bnb8-to-gptq: "bnb8")
-    search: bool = True                 # False: integer requantization is plain round-to-nearest (--no-search)
-    gguf_asym: str = "Q5_0"             # --to gguf: the block type of 4-bit asymmetric modules (Q5_0 or Q4_1)
-    gguf_float: bool = False            # --to gguf: modules whose codes cannot be kept stored as float
-    gguf_float_type: str = "auto"       # --to gguf: embeddings, lm_head, --gguf-float modules (auto|f32|f16|bf16|q8_0)
+    """What ``qconv convert`` / ``qconv.convert`` takes (``qconv.ConvertOptions``): ``to``, the target
+    options it declares (each read as an attribute: ``opts.bits``; one it does not declare reads as its
+    declared default, None: "the source's"), and the run settings. Frozen; checked when made: an unknown
+    --to, an option the target does not take, or a value its check refuses is a UsageError (exit 2)."""
+
+    __slots__ = ("to", "source", "search", "validate", "overwrite", "max_shard_size", "jobs", "_values")
+
+    def __init__(self, to: str, *, source: str | None = None, search: bool = True, validate: bool = False,
+                 overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD, jobs: int | None = None,
+                 **options):
+        import warnings
+
+        check_choice("to", to, convert_targets())
+        for name, flag in (("search", search), ("validate", validate), ("overwrite", overwrite)):
+            check_flag(name, flag)
+        every = declared()
+        for opt in {o for decls in every.values() for o, _ in decls}:   # older spellings: warned, then mapped
+            for old in opt.deprecated:
+                if old in options:
+                    value = options.pop(old)
+                    warnings.warn(f"{old}= is deprecated: use {opt.name}=", DeprecationWarning, stacklevel=3)
+                    if options.get(opt.name) not in (None, value):
+                        raise UsageError(f"{what(old)} and {what(opt.name)} disagree; give {opt.name} only")
+                    options[opt.name] = value
+        own = {o.name: o for o in target_options(to)}
+        for name, value in options.items():
+            if name not in every:
+                raise UsageError(f"{name!r} is not an option of qconv.convert; the target options are "
+                                 f"{', '.join(every)} (qconv.target_options())")
+            if name not in own and value is not None and all(value != o.default for o, _ in every[name]):
+                takes = ", ".join(o.flag for o in own.values())
+                raise UsageError(f"{every[name][0][0].flag}: --to {to} takes no such option; "
+                                 + (f"its options are {takes}" if takes else "it takes no target options"))
+        set_ = object.__setattr__
+        set_(self, "to", to)
+        set_(self, "source", source)
+        set_(self, "search", search)
+        set_(self, "validate", validate)
+        set_(self, "overwrite", overwrite)
+        set_(self, "max_shard_size", parse_size(max_shard_size))
+        set_(self, "jobs", check_jobs(jobs))
+        set_(self, "_values", {name: own[name].value(options.get(name)) for name in own})
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            return values[name]
+        for decls in declared().get(name, ()):              # an option of another target: its default
+            return None if decls[0].default is None else decls[0].check(decls[0].default)
+        raise AttributeError(f"Options has no attribute {name!r}")
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Options is frozen: use replace()")
+
+    def replace(self, **changes) -> "Options":
+        """A copy with some values changed as they are (convert's own: a negotiated group size, the target
+        a packing picked), not checked again."""
+        new = object.__new__(Options)
+        for slot in self.__slots__:
+            object.__setattr__(new, slot, dict(self._values) if slot == "_values" else getattr(self, slot))
+        for name, value in changes.items():
+            if name in ("to",) + _RUN:
+                object.__setattr__(new, name, value)
+            else:
+                new._values[name] = value
+        return new
+
+    def given(self) -> dict:
+        """The target options as the writer reads them (name -> value)."""
+        return dict(self._values)
+
+    def __reduce__(self):                    # pickled for the --jobs workers
+        return _restore, ({slot: getattr(self, slot) for slot in self.__slots__},)
+
+    def __eq__(self, other):
+        return isinstance(other, Options) and all(getattr(self, s) == getattr(other, s) for s in self.__slots__)
+
+    def __hash__(self):
+        return hash((self.to, tuple(sorted((k, repr(v)) for k, v in self._values.items()))))
+
+    def __repr__(self):
+        values = ", ".join(f"{k}={v!r}" for k, v in self._values.items() if v is not None)
+        return f"Options({self.to!r}{', ' + values if values else ''})"
 
 
-# Each target option as the command line spells it; the targets that take it say so (Target.options,
-# a file target's FileTarget.options; the float dtypes take none): given to any other, it is a usage error (exit 2).
-OPTION_FLAGS = {"bits": "--bits", "group_size": "--group-size", "sym": "--sym/--asym",
-                "scale_dtype": "--scale-dtype", "blocksize": "--blocksize", "double_quant": "--double-quant",
-                "quant_storage": "--quant-storage", "block_size": "--block-size", "gguf_asym": "--gguf-asym",
-                "gguf_float": "--gguf-float", "gguf_float_type": "--gguf-float-type"}
-
-
-def refuse_options(opts: Options, takes: frozenset) -> None:
-    """Refuse an option the target does not take (it would be ignored, or misread), naming both (exit 2)."""
-    default = Options(opts.to)
-    for field_name, flag in OPTION_FLAGS.items():
-        if field_name not in takes and getattr(opts, field_name) != getattr(default, field_name):
-            own = [OPTION_FLAGS[f] for f in OPTION_FLAGS if f in takes]
-            raise UsageError(f"{flag}: --to {opts.to} takes no such option; "
-                             + (f"its options are {', '.join(own)}" if own else "it takes no target options"))
+def _restore(state: dict) -> Options:
+    new = object.__new__(Options)
+    for slot, value in state.items():
+        object.__setattr__(new, slot, value)
+    return new

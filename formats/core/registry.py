@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 from .layout import QuantModule
+from .options import INTEGER_OPTIONS
 
 _FORMATS = __package__.rsplit(".", 1)[0]   # qconv.formats: codec names are relative to it
 
@@ -201,8 +202,8 @@ class ModuleContext:
     module: QuantModule              # the source module, from headers and config
     spec: object                     # the QuantSpec it is written with (Target.fit, or the caps negotiation)
     reason: str | None               # why it is requantized (None: its codes are kept)
-    request: object                  # the conversion's options (core/options.Options: to, bits, group_size, sym,
-                                     # scale_dtype, blocksize, double_quant, quant_storage)
+    request: object                  # the conversion's options (core/options.Options: to, and the options the
+                                     # target declares: bits, group_size, sym, scale_dtype, block_size, ...)
     dtype: str                       # the weight's original dtype ("float16", ...), as its QuantTensor has it
     encode: Callable                 # (settings) -> {leaf: (dtype, array)}: the module read and encoded with
                                      # these settings, statistics discarded (for a setting only the data decides)
@@ -213,12 +214,6 @@ class ModuleContext:
     source_spec: object = None       # the module's spec in the source (QuantSpec or FloatSpec: its scale divisor)
     activation: object = None        # the source's static activation scale (core/activation.StaticActivation),
                                      # which a target that holds its scheme carries (None: none)
-
-
-# convert's options of the integer targets (bits, groups, zero points, scale dtype: Caps negotiates them)
-INTEGER_OPTIONS = frozenset({"bits", "group_size", "sym", "scale_dtype"})
-BNB4_OPTIONS = frozenset({"bits", "blocksize", "double_quant", "quant_storage"})
-FP8_OPTIONS = frozenset({"block_size"})
 
 
 @dataclass(frozen=True)
@@ -251,7 +246,7 @@ class Target:
     # (module, source spec, request, negotiate) -> (QuantSpec, reason | None) or None (this module: the caps
     # negotiation, as for a target without fit): the spec a module is
     # written with and why its codes cannot be kept, for a target whose settings are not bits / groups /
-    # zero points (code books, its own options such as --blocksize or --quant-storage); request: as
+    # zero points (code books, its own options such as --block-size or --quant-storage); request: as
     # ModuleContext.request; negotiate(caps=None) -> (bits, group, sym, reason) is convert's negotiation
     # of the request against the source (fitted to caps where given; None: unfitted). Refusals raise
     # UsageError / UnsupportedFormat. None: convert fits the module to caps.
@@ -280,8 +275,9 @@ class Target:
     # requantizer's result goes through it too (rounding not reported). None: scales / divisor stored
     # in spec.scale_dtype.
     retarget: Callable | None = None
-    # the convert options (core/options.Options' fields) it takes; any other one given is a usage error (exit 2)
-    options: frozenset = INTEGER_OPTIONS
+    # the convert options it takes (core/options.Option declarations: its --flags, keywords and checks);
+    # any other one given is a usage error (exit 2)
+    options: tuple = INTEGER_OPTIONS
     # (config) -> config: the model config's keys its loaders read beyond quantization_config (MLX: the
     # same dict as "quantization", rope_theta at the top level). None: the config as convert makes it.
     model_config: Callable | None = None
@@ -310,11 +306,11 @@ class Target:
 class FileTarget:
     """A writer of one file rather than a folder (llama.cpp's GGUF): the family that reads it back, the
     convert options it takes (any other is exit 2), and ``convert(src, dst, opts, *, overwrite, jobs,
-    max_shard_size, validate) -> report``, which checks its options' values, then plans, writes, stages and
-    publishes the file, as convert does a folder."""
+    max_shard_size, validate) -> report``, which plans, writes, stages and publishes the file, as convert
+    does a folder."""
     name: str
     family: str
-    options: frozenset
+    options: tuple                   # core/options.Option declarations
     convert: Callable
 
 

@@ -1,7 +1,8 @@
 """Fine-grained FP8 (transformers / DeepSeek): e4m3 weights in 2-D blocks with float32 weight_scale_inv.
 Its declarations: the fp8 family and dialect, the fp8 target."""
 
-from ..core.registry import FP8_OPTIONS, Caps, Dialect, Family, Target, lazy, register, register_target
+from ..core.options import FP8_OPTIONS
+from ..core.registry import Caps, Dialect, Family, Target, lazy, register, register_target
 from . import header as fp8
 
 register(Family("fp8", "fine-grained FP8", frozenset({"fp8"}), lambda method, qc: method == "fp8",

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ...errors import CorruptCheckpoint, UnsupportedFormat
+from ...errors import CorruptCheckpoint, UnsupportedFormat, UsageError
+from ..core.options import Option, integer, one_of, yes_no
 from ..storage.safetensors_header import open_regular
 
 MAGIC = b"GGUF"
@@ -172,7 +173,34 @@ def plain(value):
     return value
 
 
-WRITER_OPTIONS = frozenset({"bits", "gguf_asym", "gguf_float", "gguf_float_type"})   # --to gguf's (core/options.py)
+GGUF_BITS = {4: "Q4_0", 8: "Q8_0"}                # --bits: what every requantized module becomes
+GGUF_ASYM = ("q5_0", "q4_1")
+GGUF_FLOAT_TYPES = ("auto", "f32", "f16", "bf16", "q8_0")
+
+
+def _bits(value):
+    value = integer("bits", 2, 8)(value)
+    if value not in GGUF_BITS:
+        raise UsageError(f"--bits {value}: --to gguf requantizes to "
+                         f"{' or '.join(f'{t} (--bits {b})' for b, t in GGUF_BITS.items())} only")
+    return value
+
+
+# --to gguf's options (writer.py reads them; core/options.py builds the flags and keywords from these)
+WRITER_OPTIONS = (
+    Option("bits", "--bits", "gguf: the block type every requantized module becomes: 8 (Q8_0) or 4 (Q4_0); "
+           "default: Q8_0 from 8-bit and float sources, Q4_0 from 4-bit and below.", _bits, number=True),
+    Option("gguf_asym", "--gguf-asym", "gguf: block type of 4-bit asymmetric modules (GPTQ asym, AWQ): q5_0 keeps "
+           "every code exactly (5.5 bits a weight), q4_1 too but rounds each block's minimum to float16 (5.0); "
+           "default: q5_0.", one_of("gguf_asym", GGUF_ASYM, str.upper), default="q5_0", choices=GGUF_ASYM),
+    Option("gguf_float", "--gguf-float", "gguf: store modules whose codes cannot be kept as float (the model's "
+           "dtype) instead of requantizing them to Q8_0 / Q4_0.", yes_no("gguf_float"), default=False, kind="flag"),
+    Option("gguf_float_type", "--gguf-float-type", "gguf: type of the 2-D float tensors (embeddings, lm_head) and "
+           "of --gguf-float's modules: auto keeps the model's 16-bit dtype as llama.cpp's converter does; f32, "
+           "f16, bf16 convert (rounding reported, a value f16 cannot hold refused); q8_0 requantizes (error "
+           "reported). Norms, biases and the MoE router stay F32. Default: auto.",
+           one_of("gguf_float_type", GGUF_FLOAT_TYPES), default="auto", choices=GGUF_FLOAT_TYPES),
+)
 
 
 def looks_like_gguf(path: str | os.PathLike) -> bool:

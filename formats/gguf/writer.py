@@ -29,7 +29,7 @@ from ...errors import CorruptCheckpoint, NotStorable, OutputError, UnsupportedFo
 from ..core.activation import activation_report
 from ..core.experts import split_interleaved
 from ..core.layout import QuantModule, natural_key
-from ..core.options import Options, refuse_options
+from ..core.options import Options
 from ..core.reader import model_dtype, read_module, require_decodable
 from ..core.requantize import requantize, unrepresentable
 from ..core.source import check_source, exact_rows, exact_weights, source_spec, split_experts, whole
@@ -40,14 +40,12 @@ from ..storage.staging import staged_output, test_hook
 from ..storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, encode_float, plain_chunks, read_array, to_float32
 from . import arch as garch
 from . import codec
-from .header import WRITER_OPTIONS, looks_like_gguf
+from .header import GGUF_BITS, looks_like_gguf
 
 ROPE_FREQS = "rope_parameters (llama3)"         # the source of rope_freqs: computed from config.json
 _FLOAT_GGML = {"F16": (np.float16, "F16"), "F32": (np.float32, "F32"), "BF16": (np.uint16, "BF16")}
-GGUF_OPTIONS = WRITER_OPTIONS                   # the options it takes (header.py, the registry's FileTarget)
 # what llama.cpp does to activations (a quantized weight's dot product rounds them to its q8 blocks at run time)
 GGUF_ACTIVATIONS = "q8 blocks of 32 (llama.cpp's dot products), dynamic"
-GGUF_BITS = {4: "Q4_0", 8: "Q8_0"}                # --bits: what every requantized module becomes
 _FLOAT_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}     # --gguf-float-type
 _WIDER = {"F16": "bf16 or f32", "BF16": "f32"}
 
@@ -637,7 +635,6 @@ def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = Fa
                     max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False) -> dict:
     import time
 
-    check_options(opts)
     src, dst = Path(src), Path(dst)
     if dst.suffix != ".gguf":
         raise UsageError("--to gguf writes one .gguf file: give DST a name ending in .gguf", file=dst)
@@ -656,14 +653,6 @@ def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = Fa
             report["validation"] = check(comp, [tmp / f for f in report["shards"]], report, dst)
     return {"source": str(src), "destination": str(dst), "seconds": round(time.monotonic() - t0, 3),
             "components": [report]}
-
-
-def check_options(opts: Options) -> None:
-    """--to gguf's options (GGUF_OPTIONS; any other is exit 2, naming it) and its requantization widths."""
-    refuse_options(opts, GGUF_OPTIONS)
-    if opts.bits is not None and opts.bits not in GGUF_BITS:
-        raise UsageError(f"--bits {opts.bits}: --to gguf requantizes to "
-                         f"{' or '.join(f'{t} (--bits {b})' for b, t in GGUF_BITS.items())} only")
 
 
 def _check_not_a_source_file(comp: Component, dst: Path) -> None:

@@ -17,5 +17,5 @@ register_target(Target(modelopt.NVFP4_TARGET, "modelopt",
                        Caps(frozenset({4}), asym=False, per_row=False, scale_dtypes=frozenset({"F8_E4M3"})),
                        modelopt.nvfp4_leaves, modelopt.nvfp4_config, "modelopt.codec",
                        fit=lazy("modelopt.codec", "fit_nvfp4"), plan=lazy("modelopt.codec", "plan_nvfp4"),
-                       options=frozenset(), share=lazy("modelopt.codec", "share_nvfp4"),
+                       options=(), share=lazy("modelopt.codec", "share_nvfp4"),
                        retarget=lazy("modelopt.codec", "retarget_nvfp4")))

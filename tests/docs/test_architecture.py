@@ -145,19 +145,23 @@ def test_the_checks_catch_a_planted_branch(tmp_path, monkeypatch, planted, expec
 
 TOY = '''"""A format family that exists only in this test: one folder, nothing else changed."""
 
+from ..core.options import BITS, Option, integer
 from ..core.registry import Caps, Dialect, Family, Target, register, register_target
 
 register(Family("toy", "Toy", frozenset({"toy"}), lambda method, qc: method == "toy", lambda tensors, qc: [],
                 lambda m, tensors, qc: None, "toy.codec"))
 register(Dialect("toy", frozenset({"toy"}), lambda qc, modules, all_modules, comp, warnings: None))
-register_target(Target("toy", "toy", Caps(frozenset({4})), lambda spec, shape, g_idx: {}, lambda ctx: {}, "toy.codec"))
+register_target(Target("toy", "toy", Caps(frozenset({4})), lambda spec, shape, g_idx: {}, lambda ctx: {}, "toy.codec",
+                       options=(BITS, Option("toy_level", "--toy-level", "toy: its level, 1..3.",
+                                             integer("toy_level", 1, 3), number=True))))
 '''
 
 
 def test_a_new_family_is_one_folder(tmp_path):
     """A copy of qconv with one more folder under formats/ and no other change: the family, its dialect and
     its target are registered, the target is a --to choice of the API and the command line, and a config
-    naming its method is decoded by it (inspect reports the method)."""
+    naming its method is decoded by it (inspect reports the method); the option it declares is a flag of
+    `qconv convert`, a keyword of qconv.convert, checked, and refused for any other target."""
     import json
     import shutil
     import subprocess
@@ -176,11 +180,28 @@ def test_a_new_family_is_one_folder(tmp_path):
               "from qconv.formats.core.registry import family, target\n"
               "from qconv.cli import main\n"
               "assert qconv.__file__.startswith(sys.argv[1]), qconv.__file__\n"
+              "import inspect\n"
+              "from click.testing import CliRunner\n"
+              "from qconv.cli import cli\n"
+              "def refusal(to, **kw):\n"
+              "    try:\n"
+              "        qconv.ConvertOptions(to, **kw)\n"
+              "    except qconv.UsageError as exc:\n"
+              "        return exc.message\n"
               "print(json.dumps({'family': family('toy').method, 'target': target('toy').family,\n"
               "                  'api': 'toy' in qconv.api.targets(),\n"
-              "                  'inspect': qconv.inspect(sys.argv[2]).methods}))\n")
+              "                  'inspect': qconv.inspect(sys.argv[2]).methods,\n"
+              "                  'flag': '--toy-level' in CliRunner().invoke(cli, ['convert', '--help']).output,\n"
+              "                  'keyword': 'toy_level' in inspect.signature(qconv.convert).parameters,\n"
+              "                  'options': list(qconv.target_options('toy')),\n"
+              "                  'value': qconv.ConvertOptions('toy', toy_level='2').toy_level,\n"
+              "                  'bad': refusal('toy', toy_level=7), 'other': refusal('gptq', toy_level=2)}))\n")
     proc = subprocess.run([sys.executable, "-c", script, str(copy), str(folder)], capture_output=True, text=True,
                           env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.splitlines()[-1])
-    assert got == {"family": "Toy", "target": "toy", "api": True, "inspect": ["unquantized"]}, got
+    assert got == {"family": "Toy", "target": "toy", "api": True, "inspect": ["unquantized"], "flag": True,
+                   "keyword": True, "options": ["bits", "toy_level"], "value": 2,
+                   "bad": "toy_level (--toy-level) 7 is not an integer in 1..3",
+                   "other": "--toy-level: --to gptq takes no such option; its options are --bits, --group-size, "
+                            "--sym/--asym, --scale-dtype"}, got

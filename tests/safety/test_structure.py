@@ -237,10 +237,10 @@ def test_config_values_a_gguf_field_cannot_hold_are_refused(tmp_path, key, value
 OPTION_CASES = [
     ("gguf", ["--group-size", "64"], "--group-size"), ("gguf", ["--sym"], "--sym/--asym"),
     ("gguf", ["--block-size", "128x128"], "--block-size"), ("gguf", ["--scale-dtype", "float16"], "--scale-dtype"),
-    ("gguf", ["--blocksize", "64"], "--blocksize"),
+    ("gguf", ["--blocksize", "64"], "--block-size"),    # the old spelling of bnb4's --block-size
     ("gptq", ["--gguf-asym", "q4_1"], "--gguf-asym"), ("gptq", ["--gguf-float"], "--gguf-float"),
     ("gptq", ["--block-size", "64x64"], "--block-size"), ("gptq", ["--quant-storage", "uint8"], "--quant-storage"),
-    ("awq", ["--no-double-quant"], "--double-quant"), ("bnb8", ["--group-size", "128"], "--group-size"),
+    ("awq", ["--no-double-quant"], "--double-quant/--no-double-quant"), ("bnb8", ["--group-size", "128"], "--group-size"),
     ("bnb4-nf4", ["--scale-dtype", "float32"], "--scale-dtype"), ("fp8", ["--bits", "8"], "--bits"),
     ("fp8", ["--scale-dtype", "float32"], "--scale-dtype"), ("compressed-tensors-mxfp4", ["--bits", "4"], "--bits"),
     ("modelopt-nvfp4", ["--group-size", "16"], "--group-size"), ("float16", ["--bits", "4"], "--bits"),

@@ -119,10 +119,10 @@ def test_convert_validate_refuses_to_publish_a_wrong_result(tmp_path, monkeypatc
 
     monkeypatch.setattr(gptq_codec, "encode", broken)
     with pytest.raises(ValidationFailed):
-        convert(CHECKPOINTS / "llama-bnb8", tmp_path / "out", Options("gptq", 8, -1, True), validate=True)
+        convert(CHECKPOINTS / "llama-bnb8", tmp_path / "out", Options("gptq", bits=8, group_size=-1, sym=True), validate=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     monkeypatch.setattr(gptq_codec, "encode", real)
-    result = convert(CHECKPOINTS / "llama-bnb8", tmp_path / "out", Options("gptq", 8, -1, True), validate=True)
+    result = convert(CHECKPOINTS / "llama-bnb8", tmp_path / "out", Options("gptq", bits=8, group_size=-1, sym=True), validate=True)
     assert result["components"][0]["validation"]["ok"]
 
 

@@ -120,5 +120,5 @@ def test_convert_validate_refuses_a_result_whose_other_tensors_differ(tmp_path, 
     from qconv.errors import ValidationFailed
     from qconv.convert.convert import Options, convert
     with pytest.raises(ValidationFailed, match="1 other tensors differ \\(first: " + NORM):
-        convert(CHECKPOINTS / "llama-bnb8", tmp_path / "out", Options("gptq", 8, -1, True), validate=True)
+        convert(CHECKPOINTS / "llama-bnb8", tmp_path / "out", Options("gptq", bits=8, group_size=-1, sym=True), validate=True)
     assert not (tmp_path / "out").exists()

@@ -128,8 +128,8 @@ def test_a_lookup_miss_lists_what_is_registered():
 # Targets whose plan settles per-module settings: a requantized module too stores exactly the planned
 # tensors (bitsandbytes: the double-quant offset, learnt by encoding once, sizes the quant_state JSON;
 # compressed-tensors-fp8: scales in the model dtype). name -> (source, request options).
-REQUANTIZED = {"bnb4-nf4": ("llama-bnb4-fp4", dict(blocksize=128, double_quant=True, quant_storage="float32")),
-               "bnb4-fp4": ("llama-bnb4-nf4-dq", dict(blocksize=128, double_quant=True, quant_storage="float32")),
+REQUANTIZED = {"bnb4-nf4": ("llama-bnb4-fp4", dict(block_size=128, double_quant=True, quant_storage="float32")),
+               "bnb4-fp4": ("llama-bnb4-nf4-dq", dict(block_size=128, double_quant=True, quant_storage="float32")),
                "compressed-tensors-fp8": ("llama-ct-w4a16", dict(block_size=(128, 128))),
                "compressed-tensors-nvfp4": ("llama-ct-w4a16", {})}
 
