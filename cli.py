@@ -173,6 +173,18 @@ def _convert_table(result: dict) -> str:
             lines.append(f"  {c['component']}: {r['module']}: {r['reason']}: rel. error {r['rel_frobenius']:.4f}"
                          f" (round-to-nearest {r['rtn_rel_frobenius']:.4f}), max abs {r['max_abs']:.3g}")
     for c in result["components"]:
+        v = c.get("mmproj")
+        if v:
+            types = ", ".join(f"{n} {t}" for t, n in v["gguf_types"].items())
+            lines.append(f"  {c['component']}: vision tower -> {v['file']} ({v['projector']}: {v['tensors']} tensors, "
+                         f"{types}" + (f"; {v['dequantized_modules']} quantized Linears dequantized exactly"
+                                       if v["dequantized_modules"] else "") + ")")
+            if v.get("validation"):
+                lines.append(f"validated {v['file']}: {v['validation']['tensors']} tensors read back as the source")
+            for r in v["float_rounded"]:
+                lines.append(f"  {c['component']}: {v['file']}: {r['tensor']} ({r['source']}) rounded to {r['to']}: "
+                             f"{r['values']} values not exact, max rel. error {r['max_rel_error']:.3g}")
+    for c in result["components"]:
         for r in c.get("float_rounded", []):
             lines.append(f"  {c['component']}: {r['tensor']} ({r['source']}): float tensor rounded to {r['to']}: "
                          f"{r['values']} values not exact, max rel. error {r['max_rel_error']:.3g}")

@@ -47,7 +47,7 @@ ARCHS = {a.model_type: a for a in (
 )}
 BY_GGUF_NAME = {a.name: a for a in ARCHS.values()}
 
-_VISION_PREFIXES = ("model.visual.", "visual.")
+VISION_PREFIXES = ("model.visual.", "visual.")
 _TEXT_PREFIX = "model.language_model."
 
 
@@ -62,7 +62,7 @@ def text_config(config: Mapping | None) -> dict:
 
 def is_vision(hf_name: str) -> bool:
     """A VL model's vision-tower tensor: llama.cpp reads these from the mmproj file, not the model's."""
-    return hf_name.startswith(_VISION_PREFIXES)
+    return hf_name.startswith(VISION_PREFIXES)
 
 # tokenizer.json pre-tokenizer regexes -> llama.cpp's pre-tokenizer names (llama-vocab.cpp), for the
 # tokenizers whose regex says which it is; ByteLevel's own regex is GPT-2's.

@@ -176,6 +176,7 @@ def plain(value):
 GGUF_BITS = {4: "Q4_0", 8: "Q8_0"}                # --bits: what every requantized module becomes
 GGUF_ASYM = ("q5_0", "q4_1")
 GGUF_FLOAT_TYPES = ("auto", "f32", "f16", "bf16", "q8_0")
+MMPROJ_TYPES = ("auto", "f32", "f16", "bf16")
 
 
 def _bits(value):
@@ -200,6 +201,13 @@ WRITER_OPTIONS = (
            "f16, bf16 convert (rounding reported, a value f16 cannot hold refused); q8_0 requantizes (error "
            "reported). Norms, biases and the MoE router stay F32. Default: auto.",
            one_of("gguf_float_type", GGUF_FLOAT_TYPES), default="auto", choices=GGUF_FLOAT_TYPES),
+    Option("mmproj", "--mmproj/--no-mmproj", "gguf: a vision-language model's vision tower as llama.cpp's "
+           "mmproj file beside DST (mmproj-DST; default), or the text model alone.", yes_no("mmproj"), default=True,
+           kind="pair"),
+    Option("mmproj_type", "--mmproj-type", "gguf: type of the mmproj file's 2-D weights: auto keeps each tensor's "
+           "dtype (a quantized tower's Linears dequantized exactly, F32); f32, f16, bf16 convert (rounding "
+           "reported). Norms, biases and the position embedding stay F32. Default: auto.",
+           one_of("mmproj_type", MMPROJ_TYPES), default="auto", choices=MMPROJ_TYPES),
 )
 
 
@@ -523,6 +531,14 @@ def summary(header: GGUFHeader) -> dict:
         }
     if isinstance(arch, str):
         report["hparams"] = {k: plain(v) for k, v in md.items() if k.startswith(f"{arch}.")}
+    if md.get("general.type") == "mmproj":            # a vision tower for llama.cpp's libmtmd (gguf/mmproj.py)
+        names = [t.name for t in header.tensors]
+        report["mmproj"] = {
+            "projector": md.get("clip.projector_type") or md.get("clip.vision.projector_type"),
+            "vision_blocks": md.get("clip.vision.block_count"),
+            "deepstack_layers": len({n.split(".")[2] for n in names if n.startswith("v.deepstack.")}),
+            "projector_tensors": sum(1 for n in names if n.startswith("mm.")),
+        }
     if "split.no" in md or "split.count" in md:
         report["split"] = {"no": md.get("split.no"), "count": md.get("split.count"),
                            "tensors": md.get("split.tensors.count")}

@@ -36,6 +36,11 @@ def render(result: dict) -> str:
              + (f", {g['bits_per_weight']} bits/weight overall, {g['quantized_share']:.1%} of parameters in "
                 f"quantized blocks" if g["parameters"] else "")
              + f", {g['metadata_keys']} metadata keys"]
+    if "mmproj" in g:
+        v = g["mmproj"]
+        lines.append(f"  mmproj (a vision tower for llama.cpp's libmtmd): projector {v['projector']}, "
+                     f"{v['vision_blocks']} vision blocks, {v['projector_tensors']} projector tensors"
+                     + (f", deepstack after {v['deepstack_layers']} layers" if v["deepstack_layers"] else ""))
     if "split" in g:
         s = g["split"]
         no = s["no"] + 1 if isinstance(s["no"], int) else s["no"]          # split.no counts from 0

@@ -56,13 +56,14 @@ def _float_type(opts: Options, model_code: str) -> str:
     return _FLOAT_TYPES.get(opts.gguf_float_type, model_code)
 
 
-class _Rounding:
+class Rounding:
     """A float tensor converted to the type chosen, and what the conversion changed, for the summary:
     how many values are not exactly representable and the largest relative error among them. A finite
     value the type would make infinite (float16's 65504) is refused, never written as inf."""
 
-    def __init__(self, code: str, tensor: str, file):
+    def __init__(self, code: str, tensor: str, file, hint: str | None = None):
         self.code, self.tensor, self.file = code, tensor, file
+        self.hint = hint or f"--gguf-float-type {_WIDER.get(code, 'f32')}"
         self.values, self.max_rel_error = 0, 0.0
 
     def encode(self, x32: np.ndarray) -> np.ndarray:
@@ -74,7 +75,7 @@ class _Rounding:
             over = np.isfinite(x32) & ~np.isfinite(back)
             if over.any():
                 raise UnsupportedFormat(f"holds {float(x32[over][0]):.6g}, beyond {self.code}'s range (it would be "
-                                        f"infinite): use --gguf-float-type {_WIDER[self.code]}", file=self.file,
+                                        f"infinite): use {self.hint}", file=self.file,
                                         tensor=self.tensor)
             x = x32[~same].astype(np.float64)
             self.values += x.size
@@ -94,7 +95,7 @@ class _Out:
     kept: bool | None = None         # quantized modules: codes kept (None: a float tensor)
     stored_float: bool = False       # a module stored as float (--gguf-float)
     experts: int = 0                 # stacked experts (llama.cpp's *_exps): one module per expert, in order
-    rounded: tuple = ()              # float conversions (_Rounding), filled as the tensor is written
+    rounded: tuple = ()              # float conversions (Rounding), filled as the tensor is written
 
 
 def _g_idx(comp: Component, m: QuantModule):
@@ -229,7 +230,7 @@ def _dequantized_out(comp, det, m: QuantModule, name: str, src_dtype: str, heads
     dtype (the float model qconv dequantize writes, one module at a time) or --gguf-float-type's."""
     code = _float_type(opts, FLOAT_CODES[src_dtype])
     np_dtype, type_name = _FLOAT_GGML[code]
-    rounding = _Rounding(code, m.name, comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else comp.path)
+    rounding = Rounding(code, m.name, comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else comp.path)
 
     def chunks():
         source = whole(read_module(comp, det, m, src_dtype))
@@ -289,7 +290,7 @@ def _float_out(comp: Component, info, arch, n_blocks: int, where, opts: Options,
         return _float_q8_0(info, name, heads, opts, tally)
     np_dtype, type_name = _FLOAT_GGML[code]
     n = int(np.prod(info.shape, dtype=np.int64))
-    rounding = _Rounding(code, info.name, info.file)
+    rounding = Rounding(code, info.name, info.file)
 
     def converted():
         if code in (info.dtype, "F32"):               # exact: the values as they are
@@ -505,7 +506,7 @@ def _file_type(outs: list[_Out]) -> int:
     return codec.FTYPE.get(top, codec.FTYPE_GUESSED)
 
 
-def _add(writer, key: str, kind, value) -> None:
+def add_key(writer, key: str, kind, value) -> None:
     import gguf
 
     if isinstance(kind, tuple):                        # a GGUF source's own field, in its own types
@@ -524,6 +525,8 @@ def _add(writer, key: str, kind, value) -> None:
         writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
     elif kind == "f32[]":
         writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32)
+    elif kind == "bool[]":
+        writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL)
     else:
         raise AssertionError(kind)
 
@@ -554,13 +557,16 @@ def _ahead(outs: list[_Out], jobs: int):
 def write(comp: Component, path: Path, opts: Options, max_shard: int, jobs: int = 1) -> dict:
     import gguf
 
+    from . import mmproj
+
     tally = Tally()
     det, outs, kv = plan(comp, opts, tally)
     arch = arch_of(comp)
+    vision = mmproj.plan(comp, det.modules, opts.mmproj_type) if opts.mmproj and arch.text_of else None
     split = max_shard if sum(o.nbytes for o in outs) > max_shard else 0     # gguf-py warns of a split it skips
     writer = gguf.GGUFWriter(path, arch.name, split_max_size=split)
     for key, kind, value in kv:
-        _add(writer, key, kind, value)
+        add_key(writer, key, kind, value)
     writer.add_string("general.name", _source_name(comp))
     writer.add_uint32("general.file_type", _file_type(outs))
     writer.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
@@ -595,10 +601,13 @@ def write(comp: Component, path: Path, opts: Options, max_shard: int, jobs: int 
         test_hook("tensor-written")
     writer.close()
     summary = tally.summary()
-    vision = sum(1 for n in comp.tensors if arch.text_of and garch.is_vision(n))
-    warnings = list(det.warnings) + ([f"{vision} vision-tower tensors not written: llama.cpp reads a VL model's "
-                                      f"vision tower from an mmproj file, which qconv does not write yet"]
-                                     if vision else [])
+    left = sum(1 for n in comp.tensors if arch.text_of and garch.is_vision(n))
+    warnings = list(det.warnings)
+    if isinstance(vision, tuple):                     # the vision tower: llama.cpp's mmproj file beside DST
+        summary["mmproj"] = mmproj.write(comp, det, path.parent / mmproj.mmproj_name(path), opts.mmproj_type, vision)
+    elif left:
+        warnings.append(f"{left} vision-tower tensors not written (--no-mmproj): llama.cpp reads a VL model's "
+                        f"vision tower from an mmproj file")
     activations, lost = activation_report(det.modules, {}, "gguf", GGUF_ACTIVATIONS)
     if activations["dropped"]:
         summary["static_activation_scales"] = activations
@@ -651,6 +660,12 @@ def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = Fa
         report = write(comp, tmp / dst.name, opts, max_shard_size, jobs)
         if validate:                                  # before the move: a result that fails never reaches DST
             report["validation"] = check(comp, [tmp / f for f in report["shards"]], report, dst)
+            if "mmproj" in report:
+                from . import mmproj
+
+                planned = mmproj.plan(comp, require_decodable(comp).modules, opts.mmproj_type)
+                report["mmproj"]["validation"] = mmproj.check(comp, require_decodable(comp), tmp / report["mmproj"]["file"],
+                                                              planned, dst)
     return {"source": str(src), "destination": str(dst), "seconds": round(time.monotonic() - t0, 3),
             "components": [report]}
 

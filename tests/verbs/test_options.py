@@ -82,7 +82,7 @@ def test_a_refused_option_is_one_line_even_in_its_old_spelling(tmp_path, capsys)
     code, _, err = _cli(capsys, "convert", SRC, tmp_path / "x.gguf", "--to", "gguf", "--blocksize", "64")
     assert code == 2 and err.splitlines() == [
         "qconv: error: --block-size: --to gguf takes no such option; its options are --bits, --gguf-asym, "
-        "--gguf-float, --gguf-float-type"]
+        "--gguf-float, --gguf-float-type, --mmproj/--no-mmproj, --mmproj-type"]
 
 
 def test_the_model_checks_names_and_values():

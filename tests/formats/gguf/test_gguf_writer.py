@@ -244,8 +244,8 @@ def test_a_vl_models_text_decoder_is_written_as_llama_cpps_vl_architecture(tmp_p
     """Qwen3-VL: the text decoder as llama.cpp's qwen3vl (what its converter's Qwen3VLTextModel writes:
     the text_config's hyperparameters, the mrope sections padded to 4, the deepstack layer count), its
     LLM.int8 codes kept as Q8_0 (d = SCB / 127 rounded to float16, reported), and the vision tower
-    (quantized too by transformers 5, as in the user's seed) left out with a warning that names it:
-    llama.cpp reads it from an mmproj file."""
+    (quantized too by transformers 5, as in the user's seed) not in this file: llama.cpp reads it from the
+    mmproj file written beside it (test_gguf_mmproj.py)."""
     src = "qwen3vl-bnb8-skipvisual"
     comp = convert(src, tmp_path / "m.gguf", "--validate")
     assert comp["validation"]["ok"] and comp["codes_kept"] == comp["modules"] == 14 and comp["requantized"] == 0
@@ -266,9 +266,7 @@ def test_a_vl_models_text_decoder_is_written_as_llama_cpps_vl_architecture(tmp_p
     header = json.loads((CHECKPOINTS / src / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
         (CHECKPOINTS / src / "model.safetensors").read_bytes()[:8], "little")])
     vision = [n for n in header if n.startswith("model.visual.")]
-    assert len(vision) > 0 and comp["warnings"] == [f"{len(vision)} vision-tower tensors not written: llama.cpp "
-                                                    f"reads a VL model's vision tower from an mmproj file, which "
-                                                    f"qconv does not write yet"]
+    assert len(vision) > 0 and comp["warnings"] == [] and comp["mmproj"]["file"] == "mmproj-m.gguf"
     assert not any("visual" in e["source"] or "merger" in e["source"] for e in comp["gguf_tensors"])
     assert len(reader.tensors) == 25                  # 2 layers x 11 + token_embd, output_norm, output
     from safetensors.torch import load_file
@@ -328,7 +326,7 @@ def test_llama3_rope_scaling_is_written_as_llama_cpps_rope_factors(tmp_path):
 def test_qwen25_vls_text_decoder_is_llama_cpps_qwen2vl(tmp_path):
     """Qwen2.5-VL (saved by transformers 5 under its original names: model.layers.*, visual.*): the text
     decoder as llama.cpp's qwen2vl (Qwen2VLModel: the text_config's hyperparameters and the mrope
-    sections; no deepstack), q / k / v biases F32, the vision tower left out with the warning; float
+    sections; no deepstack), q / k / v biases F32, the vision tower in the mmproj file beside it; float
     weights kept with --gguf-float, and quantized data-free (errors reported) without it."""
     src = "qwen25vl-bf16"
     comp = convert(src, tmp_path / "m.gguf", "--gguf-float", "--validate")
@@ -343,7 +341,7 @@ def test_qwen25_vls_text_decoder_is_llama_cpps_qwen2vl(tmp_path):
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     assert types["blk.0.attn_q.bias"] == types["blk.1.attn_v.bias"] == "F32"
     assert types["blk.0.attn_q.weight"] == "BF16" and len(types) == 27       # 2 x 12 + 3
-    assert len(comp["warnings"]) == 1 and comp["warnings"][0].startswith("30 vision-tower tensors not written")
+    assert comp["warnings"] == [] and comp["mmproj"]["projector"] == "qwen2.5vl_merger"
     quantized = convert(src, tmp_path / "q.gguf", "--validate")
     assert quantized["requantized"] == quantized["modules"] == 14 and quantized["validation"]["ok"]
 
@@ -617,7 +615,7 @@ def test_validate_catches_a_wrong_float_conversion(tmp_path, monkeypatch):
     from qconv.errors import ValidationFailed
 
     with monkeypatch.context() as m:
-        m.setattr(to_gguf._Rounding, "encode",
+        m.setattr(to_gguf.Rounding, "encode",
                   lambda self, x32: (np.ascontiguousarray(x32, np.float32).view(np.uint32) >> 16).astype(np.uint16))
         with pytest.raises(ValidationFailed, match=r"weight .*does not read back as the source"):
             to_gguf.convert_to_gguf(CHECKPOINTS / "llama-fp16", tmp_path / "m.gguf",
