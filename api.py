@@ -55,9 +55,9 @@ def targets() -> tuple[str, ...]:
 
 
 def target_options(to: str | None = None) -> dict[str, dict]:
-    """The target options ``convert`` takes, as the targets declare them: {keyword: {"flag", "help",
-    "targets", "default", "choices"}}, one entry per declaration (a keyword two targets declare with their
-    own meaning, block_size, has one per meaning); to: only the options of that target."""
+    """The target options ``convert`` takes, as the targets declare them: {keyword: [{"flag", "help",
+    "targets", "default", "choices", "deprecated"}, ...]}, one entry per declaration (a keyword two targets
+    declare with their own meaning, block_size, has one per meaning); to: only the options of that target."""
     if to is not None:
         _choice("to", to, convert_targets())
     out = {}
