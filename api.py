@@ -40,7 +40,6 @@ __all__ = ["inspect", "convert", "bnb8_to_gptq", "dequantize", "validate",
            "InspectResult", "ConvertResult", "DequantizeResult", "ValidateResult",
            "ProgressEvent", "targets", "to_json", "parse_size"]
 
-SCALE_DTYPES = FLOAT_TARGETS
 DEQUANTIZE_DTYPES = ("auto",) + FLOAT_TARGETS
 DEVICES = ("auto", "cpu", "cuda")
 ROWS = ("all", "sampled")

@@ -43,9 +43,9 @@ _TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
 @dataclass(frozen=True)
 class VisionModel:
     model_type: str                  # the Hugging Face model_type
-    projector: str                   # clip.projector_type
+    projector: str                   # clip.projector_type (plan writes it)
     names: Callable                  # (rest of the HF name after visual., config) -> [(gguf name, part)] or None
-    keys: Callable                   # (config, vision, preprocessor, where) -> [(key, kind, value)]
+    keys: Callable                   # (config, vision, preprocessor, where) -> its other [(key, kind, value)]
     required: Callable               # (vision) -> the GGUF tensors llama.cpp's graph needs
 
 
@@ -148,7 +148,6 @@ def _qwen25_keys(config: Mapping, vision: Mapping, pre: Mapping, where) -> list:
                                 f"attends in windows of 112 pixels only", file=where)
     return _common_keys(config, vision, pre, where) + [
         ("clip.vision.image_size", "u32", int(vision.get("image_size", 560))),
-        ("clip.projector_type", "str", "qwen2.5vl_merger"),
         ("clip.use_silu", "bool", True),
         ("clip.vision.n_wa_pattern", "u32", full[0] + 1),
         ("clip.vision.attention.layer_norm_epsilon", "f32", float(config.get("rms_norm_eps", 1e-6))),
@@ -169,7 +168,6 @@ def _qwen3_keys(config: Mapping, vision: Mapping, pre: Mapping, where) -> list:
     text = config.get("text_config") or {}
     keys = _common_keys(config, vision, pre, where) + [
         ("clip.vision.image_size", "u32", int(vision.get("image_size") or side * _int(vision, "patch_size", where))),
-        ("clip.projector_type", "str", "qwen3vl_merger"),
         ("clip.use_gelu", "bool", True)]
     if "spatial_merge_size" in vision:
         keys.append(("clip.vision.spatial_merge_size", "u32", _int(vision, "spatial_merge_size", where)))
@@ -269,7 +267,7 @@ def plan(comp: Component, modules, mmproj_type: str) -> tuple[VisionModel, list,
     if vision.get("temporal_patch_size", 2) != 2:
         raise UnsupportedFormat(f"vision_config.temporal_patch_size {vision['temporal_patch_size']}: llama.cpp's "
                                 f"graph adds two temporal kernels (v.patch_embd.weight and .weight.1)", file=where)
-    keys = model.keys(config, vision, pre, where)
+    keys = [("clip.projector_type", "str", model.projector)] + model.keys(config, vision, pre, where)
     owner = {t: m for m in modules if is_vision(m.name) for t in (*m.weight_tensors, *m.state_tensors)}
     planned: dict[str, Planned] = {}
     for name in vision_names:
@@ -294,16 +292,10 @@ def plan(comp: Component, modules, mmproj_type: str) -> tuple[VisionModel, list,
                                          _type(gguf_name, out, source_code, mmproj_type), m)
     missing = [t for t in model.required(vision) if t not in planned]
     if missing:
-        raise CorruptCheckpoint(f"has no {missing[0]} (from its vision tower: {_source_of(model, missing[0])}) "
-                                f"that llama.cpp's {model.projector} graph needs"
-                                + (f", nor {len(missing) - 1} more" if len(missing) > 1 else ""),
-                                file=comp.path, tensor=_source_of(model, missing[0]))
+        raise CorruptCheckpoint(f"has no vision-tower tensor for {missing[0]}, which llama.cpp's {model.projector} "
+                                f"graph needs" + (f", nor for {len(missing) - 1} more" if len(missing) > 1 else ""),
+                                file=comp.path)
     return model, keys, sorted(planned.values(), key=lambda p: _order(p.name))
-
-
-def _source_of(model: VisionModel, gguf_name: str) -> str:
-    """What the converter would read a GGUF tensor from (for a refusal's message)."""
-    return {"v.patch_embd.weight.1": "visual.patch_embed.proj.weight"}.get(gguf_name, gguf_name)
 
 
 def _part_shape(shape: tuple, part, info, name) -> tuple:

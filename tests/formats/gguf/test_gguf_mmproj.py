@@ -162,7 +162,7 @@ def test_a_missing_vision_weight_is_refused(tmp_path):
         tensors = load_file(src / "model.safetensors")
         del tensors["visual.merger.mlp.2.weight"]
         save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
-    _bad(tmp_path, drop, 4, "has no mm.2.weight", "qwen2.5vl_merger graph needs")
+    _bad(tmp_path, drop, 4, "has no vision-tower tensor for mm.2.weight", "qwen2.5vl_merger graph needs")
 
 
 # --- llama.cpp's own converter as the structural oracle ------------------------------------------------
