@@ -176,7 +176,7 @@ def plain(value):
 GGUF_BITS = {4: "Q4_0", 8: "Q8_0"}                # --bits: what every requantized module becomes
 GGUF_ASYM = ("q5_0", "q4_1")
 GGUF_FLOAT_TYPES = ("auto", "f32", "f16", "bf16", "q8_0")
-MMPROJ_TYPES = ("auto", "f32", "f16", "bf16")
+MMPROJ_TYPES = ("auto", "f32", "f16", "bf16", "q8_0")
 
 
 def _bits(value):
@@ -206,7 +206,8 @@ WRITER_OPTIONS = (
            kind="pair"),
     Option("mmproj_type", "--mmproj-type", "gguf: type of the mmproj file's 2-D weights: auto keeps each tensor's "
            "dtype (a quantized tower's Linears dequantized exactly, F32); f32, f16, bf16 convert (rounding "
-           "reported). Norms, biases and the position embedding stay F32. Default: auto.",
+           "reported); q8_0 keeps 8-bit codes that fit (bitsandbytes int8), else quantizes (error reported). "
+           "Norms, biases, the patch and position embeddings stay F32. Default: auto.",
            one_of("mmproj_type", MMPROJ_TYPES), default="auto", choices=MMPROJ_TYPES),
 )
 

@@ -37,7 +37,8 @@ from ..storage.checkpoint import Component
 from .arch import VISION_PREFIXES, is_vision
 
 PREPROCESSOR = "preprocessor_config.json"
-_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
+_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}
+QK = 32                                  # Q8_0's block: 32 weights of one row, one float16 scale
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,8 @@ class Planned:
     name: str                        # GGUF tensor name
     source: str                      # the Hugging Face tensor (or quantized module's weight) it comes from
     part: tuple | None               # ("rows", i, n): i-th of n row blocks; ("time", t): the t-th temporal kernel
-    shape: tuple                     # numpy shape written
-    type_name: str                   # F32, F16 or BF16
+    shape: tuple                     # numpy shape of the values written
+    type_name: str                   # F32, F16, BF16 or Q8_0
     module: object = None            # the quantized module (QuantModule) whose weight this is, else None
 
 
@@ -312,12 +313,23 @@ def _part_shape(shape: tuple, part, info, name) -> tuple:
 
 
 def _type(name: str, shape: tuple, source_code: str, mmproj_type: str) -> str:
-    """The converter's rules (conversion/base.py prepare_tensors, MmprojModel.tensor_force_quant)."""
+    """The converter's rules (conversion/base.py prepare_tensors, MmprojModel.tensor_force_quant): a
+    q8_0 weight whose rows are not whole 32-weight blocks is F16, as the converter falls back to."""
     if ".patch_embd.weight" in name:
         return "F16" if mmproj_type == "f16" or (mmproj_type == "auto" and source_code == "F16") else "F32"
     if len(shape) <= 1 or name == "v.position_embd.weight" or not name.endswith(".weight"):
         return "F32"
+    if mmproj_type == "q8_0" and shape[-1] % QK:
+        return "F16"
     return source_code if mmproj_type == "auto" else _TYPES[mmproj_type]
+
+
+def _nbytes(t: Planned) -> int:
+    import numpy as np
+
+    if t.type_name == "Q8_0":
+        return t.shape[0] * (t.shape[1] // QK) * (2 + QK)
+    return int(np.prod(t.shape, dtype=np.int64)) * {"F32": 4, "F16": 2, "BF16": 2}[t.type_name]
 
 
 def _order(name: str):
@@ -325,8 +337,8 @@ def _order(name: str):
     return [int(p) if p.isdigit() else p for p in parts]
 
 
-def write(comp: Component, det, path: Path, mmproj_type: str, planned) -> dict:
-    """Write the planned mmproj file at path, one tensor at a time; the report's "mmproj" entry."""
+def write(comp: Component, det, path: Path, planned) -> dict:
+    """Write the planned mmproj file at path, one source tensor at a time; the report's "mmproj" entry."""
     import gguf
     import numpy as np
 
@@ -339,58 +351,128 @@ def write(comp: Component, det, path: Path, mmproj_type: str, planned) -> dict:
     for key, kind, value in keys:
         add_key(writer, key, kind, value)
     weights = [t.type_name for t in tensors if len(t.shape) == 2]      # general.file_type: most 2-D weights'
-    writer.add_uint32("general.file_type", {"F32": 0, "F16": 1, "BF16": 32}[max(sorted(set(weights)),
-                                                                             key=weights.count)])
+    writer.add_uint32("general.file_type", {"F32": 0, "F16": 1, "Q8_0": 7, "BF16": 32}[max(sorted(set(weights)),
+                                                                                       key=weights.count)])
     writer.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
     writer.add_string("general.quantized_by", "qconv")
-    raw = {"F32": (np.float32, None), "F16": (np.float16, None), "BF16": (np.uint16, gguf.GGMLQuantizationType.BF16)}
-    sizes = {}
+    raw = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "Q8_0": np.uint8}
     for t in tensors:
-        dtype, raw_dtype = raw[t.type_name]
-        sizes[t.name] = int(np.prod(t.shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        writer.add_tensor_info(t.name, t.shape, np.dtype(dtype), sizes[t.name], raw_dtype=raw_dtype)
+        shape = (t.shape[0], _nbytes(t) // t.shape[0]) if t.type_name == "Q8_0" else t.shape
+        writer.add_tensor_info(t.name, shape, np.dtype(raw[t.type_name]), _nbytes(t),
+                               raw_dtype=None if t.type_name in ("F32", "F16") else
+                               getattr(gguf.GGMLQuantizationType, t.type_name))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     fout = writer.fout[0]
-    rounded, dequantized = [], set()
-    for t, values, info in _values(comp, det, tensors):
+    rounded, quantized, dequantized = [], [], set()
+    encoded = (None, None)                             # (source, its Q8_0 blocks): a split source encoded once
+    for t, whole, values, info, qt in _values(comp, det, tensors):
         if t.module is not None:
             dequantized.add(t.module.name)
-        rounding = Rounding(t.type_name, t.source, info.file, hint="--mmproj-type f32")
-        stored = np.ascontiguousarray(rounding.encode(values))
-        if stored.nbytes != sizes[t.name]:
-            raise AssertionError(f"{t.name}: {stored.nbytes} bytes encoded, {sizes[t.name]} planned")
+        if t.type_name == "Q8_0":
+            if encoded[0] != t.source:
+                encoded = (t.source, _q8_0(whole, qt, info, t.source))
+            stored, how = _rows_of(encoded[1], t.part)
+            quantized.append({"tensor": t.name, "source": t.source, **how, **_q8_0_error(stored, values)})
+        else:
+            rounding = Rounding(t.type_name, t.source, info.file, hint="--mmproj-type f32")
+            stored = rounding.encode(values)
+            if rounding.values:
+                rounded.append({"tensor": t.name, "source": t.source, "to": t.type_name, "values": rounding.values,
+                                "max_rel_error": rounding.max_rel_error})
+        stored = np.ascontiguousarray(stored)
+        if stored.nbytes != _nbytes(t):
+            raise AssertionError(f"{t.name}: {stored.nbytes} bytes encoded, {_nbytes(t)} planned")
         writer.write_padding(fout, fout.tell())
         fout.write(memoryview(stored).cast("B"))
         writer.write_padding(fout, stored.nbytes)
-        if rounding.values:
-            rounded.append({"tensor": t.name, "source": t.source, "to": t.type_name, "values": rounding.values,
-                            "max_rel_error": rounding.max_rel_error})
     writer.close()
     types: dict[str, int] = {}
     for t in tensors:
         types[t.type_name] = types.get(t.type_name, 0) + 1
     return {"file": path.name, "projector": model.projector, "tensors": len(tensors),
             "gguf_types": dict(sorted(types.items())), "dequantized_modules": len(dequantized),
-            "float_rounded": rounded}
+            "float_rounded": rounded, **({"q8_0": quantized} if quantized else {})}
+
+
+def _q8_0(whole, qt, info, source: str) -> tuple:
+    """(Q8_0 blocks of a whole source tensor [rows, row bytes], how: its report entry's codes / reason).
+    A quantized Linear whose 8-bit codes fit Q8_0 (bitsandbytes int8: one scale a row, each 32-block
+    storing it as float16) keeps them; any other is quantized from its exact float weights by llama.cpp's
+    own Q8_0 quantizer (gguf-py's quants.quantize, ggml-quants.c's reference), byte for byte what its
+    converter writes from the same weights."""
+    import gguf
+    import numpy as np
+
+    from ...errors import NotStorable
+    from . import codec
+
+    reason = "float weights quantized"
+    if qt is not None:
+        try:
+            blocks, exact = codec.encode(qt, "Q8_0")
+            stored = codec.stored_scales(blocks, "Q8_0")
+            if np.isfinite(stored).all() and not np.any((stored == 0) & (exact != 0)):
+                rel = np.abs(stored.astype(np.float64) - exact) / np.maximum(np.abs(exact.astype(np.float64)),
+                                                                            np.finfo(np.float64).tiny)
+                return blocks, {"codes": "kept", "max_scale_rel_error": float(rel.max(initial=0.0))}
+            reason = "its scales do not fit float16"
+        except NotStorable as exc:
+            reason = f"its codes do not fit Q8_0 ({exc})"
+    with np.errstate(over="ignore"):
+        blocks = gguf.quants.quantize(np.ascontiguousarray(whole, np.float32), gguf.GGMLQuantizationType.Q8_0)
+    if not np.isfinite(codec.stored_scales(blocks, "Q8_0")).all():
+        raise UnsupportedFormat("cannot be written as Q8_0: a block's scale (its largest weight / 127) exceeds "
+                                "float16's 65504; use --mmproj-type f32", file=info.file, tensor=source)
+    return blocks, {"codes": "requantized", "reason": reason}
+
+
+def _rows_of(encoded: tuple, part) -> tuple:
+    blocks, how = encoded
+    if part is not None:                               # ("rows", i, n): q / k / v of a fused tensor
+        n = blocks.shape[0] // part[2]
+        blocks = blocks[part[1] * n:(part[1] + 1) * n]
+    return blocks, how
+
+
+def _q8_0_values(blocks):
+    """float32 [rows, columns]: what llama.cpp computes with, d * qs per block."""
+    import numpy as np
+
+    b = np.ascontiguousarray(blocks).reshape(blocks.shape[0], -1, 2 + QK)
+    d = b[:, :, :2].copy().view(np.float16).astype(np.float32)
+    return (b[:, :, 2:].view(np.int8).astype(np.float32) * d).reshape(blocks.shape[0], -1)
+
+
+def _q8_0_error(blocks, values) -> dict:
+    """The written tensor's error against its source's exact weights: ||W_q - W|| / ||W|| and max |W_q - W|."""
+    import numpy as np
+
+    diff = _q8_0_values(blocks).astype(np.float64) - values.astype(np.float64)
+    norm = float(np.linalg.norm(values.astype(np.float64)))
+    return {"rel_frobenius": round(float(np.linalg.norm(diff)) / norm, 6) if norm else 0.0,
+            "max_abs": float(np.abs(diff).max(initial=0.0))}
 
 
 def _values(comp: Component, det, tensors: list[Planned]):
-    """(planned tensor, its float32 values, the source TensorInfo) in order, one source read at a time: a
-    quantized module's weight dequantized exactly, a float tensor widened; a split source read once."""
+    """(planned tensor, its whole source's float32 values, its own, the source TensorInfo, the source
+    module's QuantTensor or None) in order, one source read at a time: a quantized module's weight
+    dequantized exactly, a float tensor widened; a split source read once."""
     import numpy as np
 
     from ..core.reader import model_dtype, read_module
+    from ..core.source import whole as materialised
     from ..storage.tensor_io import read_array, to_float32
 
     dtype = model_dtype(comp, det)
-    source, whole = None, None
+    source, whole, qt = None, None, None
     for t in tensors:
         info = comp.tensors[t.module.weight_tensors[0]] if t.module is not None else comp.tensors[t.source]
         if t.source != source:
             source = t.source
-            whole = (np.asarray(read_module(comp, det, t.module, dtype).dequantize(), np.float32) if t.module is not None
+            qt = materialised(read_module(comp, det, t.module, dtype)) if t.module is not None else None
+            whole = (np.asarray(qt.dequantize(), np.float32) if qt is not None
                      else to_float32(read_array(info), info.dtype))
             if not np.isfinite(whole).all():
                 raise CorruptCheckpoint("holds non-finite values (NaN or infinity)", file=info.file, tensor=t.source)
@@ -400,19 +482,19 @@ def _values(comp: Component, det, tensors: list[Planned]):
             values = whole[t.part[1] * n:(t.part[1] + 1) * n]
         elif t.part is not None:
             values = whole[:, :, t.part[1]]
-        yield t, values, info
+        yield t, whole, values, info, qt
 
 
-def check(comp: Component, det, path: Path, planned, shown) -> dict:
+def check(comp: Component, det, path: Path, planned, report: Mapping, shown) -> dict:
     """convert --validate for the mmproj file: every tensor read back with llama.cpp's own reader (gguf-py's
     GGUFReader and quants.dequantize) equals its source (the tower's weight, split as planned; a quantized
-    one's exact dequantization) in the type written, rounded to nearest even, with its name, shape and type.
-    Raises ValidationFailed naming the first that does not."""
+    one's exact dequantization) in the type written, with its name, shape and type: a float type's values
+    rounded to nearest even; Q8_0 with kept codes up to the float16 rounding of their scales (as reported),
+    requantized with the error reported. Raises ValidationFailed naming the first that does not."""
     import gguf
     import numpy as np
 
     from ...errors import ValidationFailed
-    from ..storage.tensor_io import encode_float, to_float32
 
     _, _, tensors = planned
     try:
@@ -420,18 +502,39 @@ def check(comp: Component, det, path: Path, planned, shown) -> dict:
     except (ValueError, OSError) as exc:
         raise ValidationFailed(f"validation failed, nothing written: {path.name} cannot be read back: {exc}",
                                file=shown) from None
-    for t, values, _ in _values(comp, det, tensors):
+    quantized = {e["tensor"]: e for e in report.get("q8_0", ())}
+    for t, _, values, _, _ in _values(comp, det, tensors):
         got = stored.get(t.name)
         why = ("missing" if got is None else
                f"is {got.tensor_type.name}, not {t.type_name}" if got.tensor_type.name != t.type_name else None)
         if why is None:
             back = np.asarray(gguf.quants.dequantize(got.data, got.tensor_type), np.float32).reshape(t.shape)
-            want = to_float32(encode_float(np.ascontiguousarray(values, np.float32), t.type_name), t.type_name)
-            if not np.array_equal(back, want.reshape(t.shape)):
-                why = f"does not read back as {t.source}"
+            why = _differs(back, np.ascontiguousarray(values, np.float32), t, quantized.get(t.name))
         if why:
             raise ValidationFailed(f"validation failed, nothing written: {path.name}: {t.name} {why}", file=shown)
     if len(stored) != len(tensors):
         raise ValidationFailed(f"validation failed, nothing written: {path.name} holds {len(stored)} tensors, "
                                f"{len(tensors)} planned", file=shown)
     return {"ok": True, "tensors": len(tensors), "reader": "gguf-py (GGUFReader, quants.dequantize)"}
+
+
+def _differs(back, values, t: Planned, entry: Mapping | None) -> str | None:
+    import numpy as np
+
+    from ..storage.tensor_io import encode_float, to_float32
+
+    if t.type_name != "Q8_0":
+        want = to_float32(encode_float(values, t.type_name), t.type_name).reshape(t.shape)
+        return None if np.array_equal(back, want) else f"does not read back as {t.source}"
+    if entry is None:
+        return "is Q8_0 but the report has no entry for it"
+    diff = np.abs(back.astype(np.float64) - values.astype(np.float64))
+    if entry["codes"] == "kept":                       # the source's codes, each block's scale in float16
+        tol = (entry["max_scale_rel_error"] + 2.0 ** -21) * np.abs(values.astype(np.float64)) + 2.0 ** -25
+        return None if np.all(diff <= tol) else (f"does not read back as {t.source}'s codes: largest difference "
+                                                 f"{float(diff.max(initial=0)):.3g}")
+    norm = float(np.linalg.norm(values.astype(np.float64)))
+    rel = float(np.linalg.norm(diff)) / norm if norm else 0.0
+    if not rel <= entry["rel_frobenius"] * (1 + 1e-5) + 1e-6:      # the report rounds to 6 places; NaN fails
+        return f"has relative error {rel:.3g} against {t.source}, the report says {entry['rel_frobenius']:.3g}"
+    return None

@@ -498,10 +498,14 @@ def _source_name(comp: Component) -> str:
 
 
 def _file_type(outs: list[_Out]) -> int:
-    weights = {}
-    for o in outs:
-        if o.kept is not None:
+    """general.file_type: the type holding most of the modules' bytes (block-typed or stored float), else
+    of the 2-D tensors' (a model of float tensors only), as llama.cpp's converter names its --outtype."""
+    weights: dict[str, int] = {}
+    for group in ([o for o in outs if o.kept is not None or o.stored_float], [o for o in outs if len(o.shape) == 2]):
+        for o in group:
             weights[o.type_name] = weights.get(o.type_name, 0) + o.nbytes
+        if weights:
+            break
     top = max(sorted(weights), key=weights.get) if weights else "F16"
     return codec.FTYPE.get(top, codec.FTYPE_GUESSED)
 
@@ -604,7 +608,7 @@ def write(comp: Component, path: Path, opts: Options, max_shard: int, jobs: int 
     left = sum(1 for n in comp.tensors if arch.text_of and garch.is_vision(n))
     warnings = list(det.warnings)
     if isinstance(vision, tuple):                     # the vision tower: llama.cpp's mmproj file beside DST
-        summary["mmproj"] = mmproj.write(comp, det, path.parent / mmproj.mmproj_name(path), opts.mmproj_type, vision)
+        summary["mmproj"] = mmproj.write(comp, det, path.parent / mmproj.mmproj_name(path), vision)
     elif left:
         warnings.append(f"{left} vision-tower tensors not written (--no-mmproj): llama.cpp reads a VL model's "
                         f"vision tower from an mmproj file")
@@ -665,7 +669,7 @@ def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = Fa
 
                 planned = mmproj.plan(comp, require_decodable(comp).modules, opts.mmproj_type)
                 report["mmproj"]["validation"] = mmproj.check(comp, require_decodable(comp), tmp / report["mmproj"]["file"],
-                                                              planned, dst)
+                                                              planned, report["mmproj"], dst)
     return {"source": str(src), "destination": str(dst), "seconds": round(time.monotonic() - t0, 3),
             "components": [report]}
 

@@ -96,6 +96,49 @@ def test_a_quantized_tower_is_its_producers_dequantization(tmp_path):
             assert np.array_equal(data.reshape(shape), oracle.get_tensor(f"model.visual.{hf}.weight")), hf
 
 
+def test_q8_0_keeps_bitsandbytes_codes(tmp_path, monkeypatch):
+    """--mmproj-type q8_0 from the bitsandbytes int8 tower: every Q8_0 weight holds bitsandbytes' own int8
+    codes (the checkpoint's CB), each 32-block's scale its row's SCB / 127 in float16; the report says so,
+    with the scales' rounding, and --validate reads it back. Negative control: one code off by one fails
+    validation, nothing written."""
+    from qconv.errors import ValidationFailed
+    from qconv.formats.core.options import Options
+    from qconv.formats.gguf import mmproj, writer
+
+    src = CHECKPOINTS / "qwen3vl-bnb8-skipvisual"
+    comp = _convert(src, tmp_path / "m.gguf", "--mmproj-type", "q8_0", "--validate")
+    mm = comp["mmproj"]
+    assert mm["gguf_types"] == {"F32": 32, "Q8_0": 14} and mm["validation"]["ok"] is True
+    assert {e["codes"] for e in mm["q8_0"]} == {"kept"} and len(mm["q8_0"]) == 14
+    assert all(0 < e["max_scale_rel_error"] < 2.0 ** -11 and e["rel_frobenius"] < 1e-3 for e in mm["q8_0"])
+    with safe_open(next(src.glob("*.safetensors")), "np") as f:          # its int8 codes and float32 SCB
+        raw = {k: f.get_tensor(k) for k in f.keys() if k.startswith("model.visual.") and k.endswith((".weight", ".SCB"))
+               and f.get_slice(k).get_dtype() in ("I8", "F32")}
+    _, tensors = _read(tmp_path / "mmproj-m.gguf")
+    for e in mm["q8_0"]:
+        kind, shape, data = tensors[e["tensor"]]
+        rows = data.shape[0]
+        blocks = data.reshape(rows, -1, 34)
+        codes = blocks[:, :, 2:].view(np.int8).reshape(rows, -1)
+        scales = blocks[:, :, :2].copy().view(np.float16)[..., 0]
+        stem = e["source"][:-len(".weight")]
+        assert np.array_equal(codes, raw[stem + ".weight"]), e["tensor"]
+        want = (raw[stem + ".SCB"] / np.float32(127)).astype(np.float16)
+        assert np.array_equal(scales, np.repeat(want[:, None], scales.shape[1], axis=1)), e["tensor"]
+
+    real = mmproj._q8_0
+
+    def one_code_off(*args):                             # the first code of the first block, one step off
+        blocks, how = real(*args)
+        blocks = blocks.copy()
+        blocks[0, 2] = (blocks[0, 2:3].view(np.int8) + (1 if blocks[0, 2:3].view(np.int8)[0] < 127 else -1)).view(np.uint8)[0]
+        return blocks, how
+    monkeypatch.setattr(mmproj, "_q8_0", one_code_off)
+    with pytest.raises(ValidationFailed, match=r"mmproj-m\.gguf: \S+ does not read back as \S+'s codes"):
+        writer.convert_to_gguf(src, tmp_path / "bad" / "m.gguf", Options("gguf", mmproj_type="q8_0"), validate=True)
+    assert not (tmp_path / "bad").exists()
+
+
 def test_no_mmproj_and_mmproj_type(tmp_path):
     src = CHECKPOINTS / "qwen25vl-bf16"
     comp = _convert(src, tmp_path / "a" / "m.gguf", "--no-mmproj")
@@ -187,20 +230,22 @@ def _llama_cpp_mmproj(src, dst, outtype) -> None:
                            str(src), "--mmproj", "--outtype", outtype, "--outfile", str(dst)],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return dst
 
 
 @pytest.mark.consumer(LLAMACPP / "convert_hf_to_gguf.py", "llama.cpp's converter (bin/setup llamacpp)")
 @pytest.mark.parametrize("fixture", ["qwen25vl-bf16", "qwen3vl-bf16"])
-@pytest.mark.parametrize("outtype", ["bf16", "f16", "f32"])
+@pytest.mark.parametrize("outtype", ["bf16", "f16", "f32", "q8_0"])
 def test_the_mmproj_file_is_llama_cpp_converters(tmp_path, fixture, outtype):
     """The same tower through `convert_hf_to_gguf.py --mmproj --outtype T` and through `--to gguf
-    --mmproj-type T`: every tensor (name, shape, type, bytes) and every key equal but names (COSMETIC)."""
+    --mmproj-type T`: every tensor (name, shape, type, bytes) and every key equal but names (COSMETIC);
+    Q8_0's error, as reported, measured against the converter's F32 file."""
     src = copy_checkpoint(fixture, tmp_path)
     if not (src / "tokenizer.json").exists():                  # qwen3vl-bf16: the text GGUF needs one
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(CHECKPOINTS / "qwen3vl-bnb8-skipvisual" / name, src / name)
     _llama_cpp_mmproj(src, tmp_path / "ref.gguf", outtype)
-    _convert(src, tmp_path / "m.gguf", "--mmproj-type", outtype)
+    report = _convert(src, tmp_path / "m.gguf", "--mmproj-type", outtype)["mmproj"]
     ref_keys, ref = _read(tmp_path / "ref.gguf")
     keys, ours = _read(tmp_path / "mmproj-m.gguf")
     assert {k: v for k, v in keys.items() if k not in COSMETIC} == {k: v for k, v in ref_keys.items()
@@ -209,6 +254,14 @@ def test_the_mmproj_file_is_llama_cpp_converters(tmp_path, fixture, outtype):
     for name, (kind, shape, data) in ref.items():
         assert ours[name][:2] == (kind, shape), name
         assert np.array_equal(ours[name][2].view(np.uint8), data.view(np.uint8)), name
+    if outtype == "q8_0":                   # from float, llama.cpp's own Q8_0 quantizer: its error reported
+        exact = {name: t[2] for name, t in _read(_llama_cpp_mmproj(src, tmp_path / "ref32.gguf", "f32"))[1].items()}
+        for e in report["q8_0"]:
+            w = exact[e["tensor"]].astype(np.float64)
+            back = gguf.quants.dequantize(ours[e["tensor"]][2], gguf.GGMLQuantizationType.Q8_0)
+            assert e["codes"] == "requantized" and 0 < e["rel_frobenius"] < 0.02
+            assert abs(np.linalg.norm(back - w) / np.linalg.norm(w) - e["rel_frobenius"]) <= 1e-6
+        assert sorted(e["tensor"] for e in report["q8_0"]) == sorted(n for n, t in ours.items() if t[0] == "Q8_0")
 
 
 def test_validate_reads_the_mmproj_file_back(tmp_path, monkeypatch):
