@@ -212,7 +212,10 @@ def mmproj_name(dst: Path) -> str:
 
 def preprocessor(comp: Component) -> tuple[dict | None, Path]:
     """The image processor's config (preprocessor_config.json, or processor_config.json's image_processor,
-    as the converter reads them), None where the folder has neither."""
+    as the converter reads them; a GGUF pair's as read back), None where the folder has neither."""
+    made = comp.made_files() if comp.made_files is not None else {}
+    if isinstance(made.get(PREPROCESSOR), dict):      # a GGUF pair's, from its mmproj file (read_back)
+        return made[PREPROCESSOR], comp.path
     folder = comp.path if comp.path.is_dir() else comp.path.parent
     for name, inner in ((PREPROCESSOR, None), ("processor_config.json", "image_processor")):
         path = folder / name
@@ -538,3 +541,214 @@ def _differs(back, values, t: Planned, entry: Mapping | None) -> str | None:
     if not rel <= entry["rel_frobenius"] * (1 + 1e-5) + 1e-6:      # the report rounds to 6 places; NaN fails
         return f"has relative error {rel:.3g} against {t.source}, the report says {entry['rel_frobenius']:.3g}"
     return None
+
+
+# --- read back: the mmproj file beside a VL text GGUF, as the Hugging Face vision tower -----------------
+
+def _qwen25_hf(vision: Mapping) -> list[str]:
+    names = ["patch_embed.proj.weight", "merger.ln_q.weight"] + [f"merger.mlp.{i}.{leaf}" for i in (0, 2)
+                                                                  for leaf in ("weight", "bias")]
+    for n in range(vision["depth"]):
+        names += [f"blocks.{n}.{m}.{leaf}" for m in ("attn.qkv", "attn.proj", "mlp.gate_proj", "mlp.up_proj",
+                                                     "mlp.down_proj") for leaf in ("weight", "bias")]
+        names += [f"blocks.{n}.norm1.weight", f"blocks.{n}.norm2.weight"]
+    return names
+
+
+def _qwen3_hf(vision: Mapping) -> list[str]:
+    merger = [f"{m}.{leaf}" for m in ("norm", "linear_fc1", "linear_fc2") for leaf in ("weight", "bias")]
+    names = ["patch_embed.proj.weight", "patch_embed.proj.bias", "pos_embed.weight"] + [f"merger.{m}" for m in merger]
+    names += [f"deepstack_merger_list.{k}.{m}" for k in range(len(vision["deepstack_visual_indexes"])) for m in merger]
+    for n in range(vision["depth"]):
+        names += [f"blocks.{n}.{m}.{leaf}" for m in ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2",
+                                                     "norm1", "norm2") for leaf in ("weight", "bias")]
+    return names
+
+
+def _common_vision(meta: Mapping, where) -> dict:
+    def u(key):
+        value = meta.get(f"clip.vision.{key}")
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise CorruptCheckpoint(f"its clip.vision.{key} is {value!r}, not a positive integer", file=where)
+        return value
+    return {"depth": u("block_count"), "hidden_size": u("embedding_length"), "intermediate_size":
+            u("feed_forward_length"), "num_heads": u("attention.head_count"), "in_channels": 3,
+            "out_hidden_size": u("projection_dim"), "patch_size": u("patch_size"),
+            "spatial_merge_size": meta.get("clip.vision.spatial_merge_size", 2), "temporal_patch_size": 2,
+            "initializer_range": 0.02}
+
+
+def _qwen25_vision(meta: Mapping, shapes: Mapping, where) -> dict:
+    vision = _common_vision(meta, where)
+    pattern = meta.get("clip.vision.n_wa_pattern")
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
+        raise CorruptCheckpoint(f"its clip.vision.n_wa_pattern is {pattern!r}, not a positive integer", file=where)
+    return {**vision, "hidden_act": "silu", "model_type": "qwen2_5_vl_vision", "window_size": 112,
+            "fullatt_block_indexes": list(range(pattern - 1, vision["depth"], pattern))}
+
+
+def _qwen3_vision(meta: Mapping, shapes: Mapping, where) -> dict:
+    vision = _common_vision(meta, where)
+    flags = meta.get("clip.vision.is_deepstack_layers") or []
+    if not isinstance(flags, list) or len(flags) != vision["depth"]:
+        raise CorruptCheckpoint(f"its clip.vision.is_deepstack_layers is not one flag per vision layer "
+                                f"({vision['depth']})", file=where)
+    positions = shapes.get("v.position_embd.weight")
+    if positions is None:
+        raise CorruptCheckpoint("has no v.position_embd.weight, which the qwen3vl_merger graph needs", file=where)
+    return {**vision, "hidden_act": "gelu_pytorch_tanh", "model_type": "qwen3_vl_vision",
+            "num_position_embeddings": positions[0],
+            "deepstack_visual_indexes": [i for i, f in enumerate(flags) if f]}
+
+
+# what read_back adds beside the tower: the text config's model_type, the image processor's config
+_BACK = {
+    "qwen2_5_vl": (_qwen25_hf, _qwen25_vision, "qwen2_5_vl_text",
+                   {"min_pixels": 3136, "max_pixels": 12845056, "image_processor_type": "Qwen2VLImageProcessor",
+                    "processor_class": "Qwen2_5_VLProcessor"}),
+    "qwen3_vl": (_qwen3_hf, _qwen3_vision, "qwen3_vl_text",
+                 {"size": {"longest_edge": 16777216, "shortest_edge": 65536},
+                  "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor"}),
+}
+_BLOCK_TYPES = ("Q8_0",)            # block-typed tower weights read back as the gguf family's modules
+
+
+@dataclass(frozen=True)
+class ReadBack:
+    """The vision tower of an mmproj file as a VL folder holds it."""
+    path: Path
+    vision_config: dict
+    text_model_type: str             # the VL text config's model_type
+    tensors: dict                    # Hugging Face name (model.visual.*) -> TensorInfo
+    ggml_types: dict                 # Hugging Face name -> block type, for the tower's Q8_0 weights
+    preprocessor: dict               # preprocessor_config.json
+
+
+def beside(text: Path) -> Path | None:
+    """The mmproj file llama.cpp's naming puts beside a text GGUF (mmproj-<its name>; a split set's: its
+    name without the split suffix), or None."""
+    from .split import _NAME
+
+    names = [mmproj_name(text)]
+    m = _NAME.search(text.name)
+    if m and m.start():
+        names.append(f"mmproj-{text.name[:m.start()]}.gguf")
+    return next((p for p in (text.with_name(n) for n in names) if p.is_file()), None)
+
+
+def read_back(path: Path, model_type: str) -> ReadBack:
+    """The mmproj file at path as the Hugging Face vision tower of a ``model_type`` model: its config
+    from the clip keys, each tensor named as transformers names it and assembled as it holds it (q / k / v
+    rows joined, the two temporal kernels stacked into the Conv3d), read when asked. The inverse of
+    plan(); refused, naming the file and the key or tensor, where the file is another projector's, lacks
+    a tensor the tower has, or holds one it has no place for."""
+    import gguf
+
+    from .header import read_header
+
+    path = Path(path)
+    header = read_header(path)
+    meta = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items() if not k.startswith("GGUF.")}
+    model = MODELS.get(model_type)
+    if meta.get("general.architecture") != "clip" or model is None:
+        raise UnsupportedFormat(f"is not an mmproj file qconv reads back (general.architecture "
+                                f"{meta.get('general.architecture')!r}, for a {model_type} model)", file=path)
+    if meta.get("clip.projector_type") != model.projector:
+        raise UnsupportedFormat(f"its clip.projector_type {meta.get('clip.projector_type')!r} is not "
+                                f"{model.projector!r}, the {model_type} text model's projector", file=path)
+    hf_names, vision_of, text_type, processor = _BACK[model_type]
+    stored = {t.name: t for t in header.tensors}
+    shapes = {name: tuple(reversed(t.shape)) for name, t in stored.items()}
+    vision = vision_of(meta, shapes, path)
+    used, tensors, types = set(), {}, {}
+    for rest in hf_names(vision):
+        hf = "model.visual." + rest
+        targets = model.names(rest, {"vision_config": vision}) or []
+        missing = [g for g, _ in targets if g not in stored]
+        if not targets or missing:
+            raise CorruptCheckpoint(f"has no {missing[0] if missing else rest}, which the {model_type} vision "
+                                    f"tower's {hf} is made of", file=path)
+        parts = [stored[g] for g, _ in targets]
+        used.update(g for g, _ in targets)
+        kinds = {t.type_name for t in parts}
+        kind = kinds.pop() if len(kinds) == 1 else None
+        if kind not in ("F32", "F16", "BF16", *_BLOCK_TYPES) or (kind in _BLOCK_TYPES and targets[0][1] not in (None,)
+                                                                   and targets[0][1][0] != "rows"):
+            raise UnsupportedFormat(f"is {'/'.join(sorted(t.type_name for t in parts))}, which qconv does not read "
+                                    f"back as {hf}", file=path, tensor=targets[0][0])
+        tensors[hf] = _assembled(hf, kind, [(t, shapes[t.name]) for t in parts], targets[0][1], path)
+        if kind in _BLOCK_TYPES:
+            types[hf] = kind
+    extra = sorted(set(stored) - used)
+    if extra:
+        raise UnsupportedFormat(f"holds a tensor qconv has no place for in the {model_type} vision tower",
+                                file=path, tensor=extra[0])
+    pre = {"patch_size": vision["patch_size"], "temporal_patch_size": 2, "merge_size": vision["spatial_merge_size"],
+           "image_mean": _f32_list(meta, "clip.vision.image_mean", path),
+           "image_std": _f32_list(meta, "clip.vision.image_std", path), **processor}
+    return ReadBack(path, vision, text_type, tensors, types, pre)
+
+
+def _f32_list(meta: Mapping, key: str, where) -> list[float]:
+    import numpy as np
+
+    value = meta.get(key)
+    if not isinstance(value, list) or len(value) != 3 or not all(
+            isinstance(v, (int, float)) and math.isfinite(v) for v in value):
+        raise CorruptCheckpoint(f"its {key} is {value!r}, not three finite numbers", file=where)
+    return [float(np.format_float_positional(np.float32(v))) for v in value]      # float32's shortest digits
+
+
+def _assembled(hf: str, kind: str, parts: list, part, path: Path):
+    """The TensorInfo of a Hugging Face tower tensor made of one or more mmproj tensors (parts: (GGUF
+    tensor, numpy shape)): a float one as its values (decoded when read), a Q8_0 one as rows of blocks."""
+    from ..storage.safetensors_header import TensorInfo
+
+    shapes = {s for _, s in parts}
+    first, shape = parts[0]
+    if len(shapes) != 1:
+        raise CorruptCheckpoint(f"its parts of {hf} differ in shape ({', '.join(str(list(s)) for s in shapes)})",
+                                file=path, tensor=first.name)
+    pieces = tuple((t.file or path, t.offset, t.nbytes) for t, _ in parts)
+    if part is not None and part[0] == "time":        # two Conv2d kernels [h, 3, p, p] -> Conv3d [h, 3, 2, p, p]
+        shape = shape[:2] + (len(parts),) + shape[2:]
+    elif part is not None:                             # q / k / v rows joined
+        shape = (shape[0] * len(parts),) + shape[1:]
+    if kind in _BLOCK_TYPES:                           # rows of blocks: [rows, bytes a row]
+        shape = (shape[0], first.nbytes // parts[0][1][0])
+    stored = "U8" if kind in _BLOCK_TYPES else kind
+    decode = None
+    if len(parts) > 1:
+        import functools
+        decode = functools.partial(_joined, pieces, stored, part[0] if part else None)
+    return TensorInfo(hf, stored, shape, first.file or path, first.offset,
+                      sum(n for _, _, n in pieces), decode=decode)
+
+
+def _joined(pieces: tuple, stored: str, how: str, info, rows):
+    """Rows r0:r1 (None: all) of a tower tensor made of several mmproj tensors, as info.dtype: q / k / v
+    rows read from the parts they lie in, or the two temporal kernels stacked (TensorInfo.decode)."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from ..storage.tensor_io import convert_float, read_array
+
+    n = info.shape[0]
+    r0, r1 = rows or (0, n)
+    if how == "time":
+        per = info.shape[:2] + info.shape[3:]
+        arrays = [read_array(replace(info, dtype=stored, shape=per, file=f, offset=o, nbytes=b, decode=None))
+                  for f, o, b in pieces]
+        out = np.stack(arrays, axis=2)[r0:r1]
+    else:
+        per = n // len(pieces)
+        out = []
+        for i, (f, o, b) in enumerate(pieces):
+            lo, hi = max(r0, i * per), min(r1, (i + 1) * per)
+            if lo < hi:
+                piece = replace(info, dtype=stored, shape=(per,) + tuple(info.shape[1:]), file=f, offset=o, nbytes=b,
+                                decode=None)
+                out.append(read_array(piece, rows=(lo - i * per, hi - i * per)))
+        out = np.concatenate(out)
+    return out if info.dtype == stored else convert_float(out, stored, info.dtype)

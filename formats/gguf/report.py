@@ -6,14 +6,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..core.layout import human_bytes, human_count, indent
-from .arch import structure_warnings
+from .arch import BY_GGUF_NAME, structure_warnings
 from .header import count, summary
+from .mmproj import beside
 from .split import read_gguf
 
 
 def describe(path) -> dict:
     header = read_gguf(path)
-    return {"kind": "gguf", "gguf": summary(header), "warnings": structure_warnings_of(header)}
+    g = summary(header)
+    arch = BY_GGUF_NAME.get(header.metadata.get("general.architecture"))
+    if arch is not None and arch.text_of:             # a VL text model: its mmproj file, read back with it
+        pair = beside(Path(path))
+        g["mmproj_beside"] = pair.name if pair else None
+    return {"kind": "gguf", "gguf": g, "warnings": structure_warnings_of(header)}
 
 
 def structure_warnings_of(header) -> list[str]:
@@ -41,6 +47,10 @@ def render(result: dict) -> str:
         lines.append(f"  mmproj (a vision tower for llama.cpp's libmtmd): projector {v['projector']}, "
                      f"{v['vision_blocks']} vision blocks, {v['projector_tensors']} projector tensors"
                      + (f", deepstack after {v['deepstack_layers']} layers" if v["deepstack_layers"] else ""))
+    if "mmproj_beside" in g:
+        lines.append(f"  a VL model's text decoder: its vision tower, {g['mmproj_beside']}, lies beside it (read "
+                     f"back together)" if g["mmproj_beside"] else "  a VL model's text decoder: no mmproj file "
+                     f"beside it (llama.cpp's mmproj-{Path(result['path']).name}); read back as the text model")
     if "split" in g:
         s = g["split"]
         no = s["no"] + 1 if isinstance(s["no"], int) else s["no"]          # split.no counts from 0

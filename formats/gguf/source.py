@@ -114,9 +114,19 @@ def tokenizer_docs(path: Path) -> dict[str, dict]:
 
 
 def open_gguf(path: Path) -> Component:
+    """The GGUF as a Component. A VL model's text decoder (qwen2vl, qwen3vl) with llama.cpp's mmproj file
+    beside it (mmproj-<name>) is read back as the VL model whole: the text model's tensors under
+    model.language_model, the tower's (mmproj.read_back) under model.visual, the VL config.json and the
+    image processor's preprocessor_config.json; without one, as the text model it computes on text."""
+    from . import mmproj
+
     path = Path(path)
     g = open_checked(path)
     header, config, arch = g.header, g.config, g.arch
+    own = g.meta.get("general.architecture")
+    pair = mmproj.beside(path) if own != arch.name else None
+    back = mmproj.read_back(pair, garch.BY_GGUF_NAME[own].model_type) if pair else None
+    renamed = _in_vl_model if back else (lambda hf: hf)
     tensors, types, order, decoded = {}, {}, {}, {}
     for t in header.tensors:
         if t.name not in g.names:                     # rope_freqs: in the config
@@ -130,10 +140,11 @@ def open_gguf(path: Path) -> Component:
             parts = [(hf, shape, t.offset, t.nbytes)]
         heads = garch.heads_of(config, hf) if arch.permute_qk else None
         if t.type_name not in FLOAT_TYPES and not garch.in_decoder_layers(hf):
-            tensors[hf] = _decoded_tensor(t, hf, shape, _CODES[config["dtype"]])
-            decoded[hf] = t.type_name
+            tensors[renamed(hf)] = _decoded_tensor(t, renamed(hf), shape, _CODES[config["dtype"]])
+            decoded[renamed(hf)] = t.type_name
             continue
         for name, shp, offset, nbytes in parts:
+            name = renamed(name)
             if t.type_name in FLOAT_TYPES:            # llama's float q / k: rows put back when read
                 tensors[name] = TensorInfo(name, t.type_name, shp, t.file, offset, nbytes,
                                            decode=functools.partial(unpermuted_rows, heads, t.type_name) if heads else None)
@@ -143,20 +154,76 @@ def open_gguf(path: Path) -> Component:
             types[name] = t.type_name
             if heads:
                 order[name] = heads
+    warnings = [w for w in [garch.tokenizer_warning(g.meta)] if w]
+    if back:                                          # the VL model whole: its vision tower from the pair
+        tensors.update(back.tensors)
+        types.update(back.ggml_types)
+        config = vl_config(config, g.meta, back, path)
+    elif own != g.arch.name:
+        warnings.insert(0, f"a {own} file holds a VL model's text decoder, and no {mmproj.mmproj_name(path)} "
+                           f"(llama.cpp's mmproj file) lies beside it: written as the text model it computes on "
+                           f"text ({g.arch.hf_class}), without the vision tower")
     config["quantization_config"] = {"quant_method": "gguf", "ggml_types": types, "row_order": order,
                                      "decoded": decoded}
-    warnings = [w for w in [garch.tokenizer_warning(g.meta)] if w]
-    own = g.meta.get("general.architecture")
-    if own != g.arch.name:
-        warnings.insert(0, f"a {own} file holds a VL model's text decoder: written as the text model it computes on "
-                           f"text ({g.arch.hf_class}); its vision tower is llama.cpp's mmproj file, not this one")
     if decoded:
         warnings.append(f"{len(decoded)} block-typed tensors outside the decoder layers "
                         f"({', '.join(f'{n}: {k}' for n, k in decoded.items())}) are read as {config['dtype']}, "
                         f"decoded as `qconv dequantize` decodes them (the folder formats keep them float)")
-    return Component(name=path.name, path=path, files=header.files or (path,), headers={}, tensors=tensors,
-                     made_files=functools.partial(tokenizer_docs, path), warnings=tuple(warnings),
-                     config=config, config_names=garch.config_names(g.meta))
+    files = tuple(header.files or (path,)) + ((back.path,) if back else ())
+    return Component(name=path.name, path=path, files=files, headers={}, tensors=tensors,
+                     made_files=functools.partial(made_files, path, back.preprocessor if back else None),
+                     warnings=tuple(warnings), config=config, config_names=garch.config_names(g.meta))
+
+
+def _in_vl_model(hf: str) -> str:
+    """A text decoder's tensor as a VL model names it (transformers 5: model.language_model.*)."""
+    return "model.language_model." + hf[len("model."):] if hf.startswith("model.") else hf
+
+
+# the Qwen VL token ids (the released models'): config.json's where the GGUF's tokenizer has no such token
+_VL_TOKENS = {"image_token_id": ("<|image_pad|>", 151655), "video_token_id": ("<|video_pad|>", 151656),
+              "vision_start_token_id": ("<|vision_start|>", 151652), "vision_end_token_id": ("<|vision_end|>", 151653)}
+
+
+def vl_config(text: dict, meta: dict, back, where) -> dict:
+    """config.json of the VL model a text GGUF and its mmproj file hold together: the text model's config
+    (config_from) as its text_config, with llama.cpp's M-RoPE sections, and the tower's (read_back);
+    refused where the two files disagree."""
+    from ...errors import CorruptCheckpoint
+
+    own = meta.get("general.architecture")
+    vl = garch.BY_GGUF_NAME[own]
+    dtype = text["dtype"]
+    text = {k: v for k, v in text.items() if k not in ("architectures", "dtype")}
+    sections = meta.get(f"{own}.rope.dimension_sections")
+    if not isinstance(sections, list) or len(sections) < 3 or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in sections):
+        raise CorruptCheckpoint(f"its {own}.rope.dimension_sections is {sections!r}, not M-RoPE's sections", file=where)
+    text["model_type"] = back.text_model_type
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": list(sections[:3])}
+    vision = back.vision_config
+    if vision["out_hidden_size"] != text["hidden_size"]:
+        raise CorruptCheckpoint(f"its hidden size {text['hidden_size']} is not {back.path.name}'s "
+                                f"clip.vision.projection_dim {vision['out_hidden_size']}: not one model", file=where)
+    if vl.deepstack and meta.get(f"{own}.n_deepstack_layers") != len(vision["deepstack_visual_indexes"]):
+        raise CorruptCheckpoint(f"its {own}.n_deepstack_layers {meta.get(f'{own}.n_deepstack_layers')!r} is not the "
+                                f"{len(vision['deepstack_visual_indexes'])} deepstack layers of {back.path.name}: "
+                                f"not one model", file=where)
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    where_is = {t: i for i, t in enumerate(tokens) if t in {tok for tok, _ in _VL_TOKENS.values()}}
+    ids = {key: where_is.get(tok, default) for key, (tok, default) in _VL_TOKENS.items()}
+    return {"architectures": [vl.hf_class], "model_type": vl.model_type, "dtype": dtype, "text_config": text,
+            "vision_config": vision,
+            "tie_word_embeddings": text["tie_word_embeddings"], **ids}
+
+
+def made_files(path: Path, preprocessor: dict | None) -> dict[str, dict]:
+    """The files a folder converted from the GGUF gets besides config.json (Component.made_files): the
+    tokenizer rebuilt from its metadata, and a VL pair's preprocessor_config.json."""
+    files = tokenizer_docs(path)
+    if preprocessor is not None:
+        files["preprocessor_config.json"] = preprocessor
+    return files
 
 
 def _decoded_tensor(t, hf: str, shape: tuple, code: str) -> TensorInfo:

@@ -69,7 +69,8 @@ def test_a_code_kept_gguf_dequantizes_to_the_sources_float_model(tmp_path, src):
                                               ("qwen25vl-bf16", "Qwen2ForCausalLM")])
 def test_a_vl_gguf_dequantizes_to_the_text_model_it_computes(tmp_path, name, text_class):
     """A qwen3vl / qwen2vl GGUF holds Qwen3-VL's / Qwen2.5-VL's text decoder (the vision tower is
-    llama.cpp's mmproj file): dequantize writes it as the text model, saying so, and on text that model's
+    llama.cpp's mmproj file; with it beside, test_gguf_vl_pair.py): alone, dequantize writes it as the
+    text model, saying so, and on text that model's
     logits are the VL model's own on the same weights (the mrope streams are equal for text; Qwen3-VL's
     deepstack adds image features only). The qwen3vl-bf16 fixture has no tokenizer, which a GGUF needs:
     the bnb8 fixture's (same base) is put beside a copy of it; --gguf-float keeps the bf16 weights as
@@ -83,7 +84,7 @@ def test_a_vl_gguf_dequantizes_to_the_text_model_it_computes(tmp_path, name, tex
     if not (src / "tokenizer.json").exists():
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(CHECKPOINTS / "qwen3vl-bnb8-skipvisual" / f, src / f)
-    run_qconv("convert", src, tmp_path / "m.gguf", "--to", "gguf", "--gguf-float", check=0)
+    run_qconv("convert", src, tmp_path / "m.gguf", "--to", "gguf", "--gguf-float", "--no-mmproj", check=0)
     proc = run_qconv("dequantize", "--json", tmp_path / "m.gguf", tmp_path / "back", check=0)
     (comp,) = json.loads(proc.stdout)["components"]
     assert comp["warnings"] and "VL model's text decoder" in comp["warnings"][0]
