@@ -76,6 +76,32 @@ _PRE_BY_REGEX = {
 }
 
 
+def _cogvlm(names) -> list[str]:
+    """Why llama.cpp (llama-cpp-python 0.3.36's build) cannot compute a CogVLM checkpoint, from its tensors."""
+    why = []
+    if any(n.startswith("model.vision.conv.") for n in names):
+        why.append("its vision tower's 2x2 convolution after the transformer (model.vision.conv, CogVLM2's) has no "
+                   "place in llama.cpp's cogvlm clip graph (tools/mtmd/models/cogvlm.cpp)")
+    if any(n.endswith(".vision_expert_query_key_value.bias") for n in names):
+        why.append("llama.cpp's cogvlm text model loads no bias for the vision expert's query_key_value "
+                   "(vis_attn_qkv, src/models/cogvlm.cpp), which this checkpoint has")
+    return why or ["qconv has no CogVLM checkpoint made by CogVLM's own code to prove one against"]
+
+
+# architectures llama.cpp has and qconv refuses, with the reason (from the config and tensor names)
+UNWRITTEN = {"CogVLMForCausalLM": ("CogVLM", _cogvlm)}
+
+
+def refuse_unwritten(config: Mapping | None, names, where) -> None:
+    """An architecture llama.cpp has but cannot compute as the checkpoint holds it (UNWRITTEN) is refused
+    naming why, before anything is written."""
+    for cls in (config or {}).get("architectures") or ():
+        if cls in UNWRITTEN:
+            label, why = UNWRITTEN[cls]
+            raise UnsupportedFormat(f"is {label} ({cls}), which qconv does not write as GGUF: "
+                                    f"{'; '.join(why(list(names)))}; nothing written", file=where)
+
+
 def arch_of(config: Mapping | None, where) -> Arch:
     """The architecture of a Hugging Face config; refused by name where qconv does not map it, or where
     the config asks for what llama.cpp's implementation of it does not do."""
@@ -99,7 +125,7 @@ def arch_of(config: Mapping | None, where) -> Arch:
                                     file=where)
     if config.get("use_sliding_window") or (config.get("sliding_window") and config.get("layer_types")
                                             and "sliding_attention" in config["layer_types"]):
-        raise UnsupportedFormat(f"uses sliding-window attention, which qconv does not map to GGUF; nothing written",
+        raise UnsupportedFormat("uses sliding-window attention, which qconv does not map to GGUF; nothing written",
                                 file=where)
     if config.get("attention_bias") and not arch.qkv_bias:
         raise UnsupportedFormat(f"attention_bias is set, which llama.cpp's {arch.name} does not load; nothing written",

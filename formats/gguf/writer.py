@@ -405,7 +405,10 @@ def arch_of(comp: Component):
     config is the text model's), else the Hugging Face config's."""
     fields = _source_fields(comp)
     own = next((v for k, _, v in fields if k == "general.architecture"), None) if fields else None
-    return garch.BY_GGUF_NAME[own] if own in garch.BY_GGUF_NAME else garch.arch_of(comp.config, comp.path)
+    if own in garch.BY_GGUF_NAME:
+        return garch.BY_GGUF_NAME[own]
+    garch.refuse_unwritten(comp.config, comp.tensors, comp.path / "config.json")
+    return garch.arch_of(comp.config, comp.path)
 
 
 def _source_rope_factors(comp: Component):

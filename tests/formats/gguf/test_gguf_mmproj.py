@@ -283,3 +283,42 @@ def test_validate_reads_the_mmproj_file_back(tmp_path, monkeypatch):
         writer.convert_to_gguf(CHECKPOINTS / "qwen25vl-bf16", tmp_path / "bad" / "m.gguf",
                                Options("gguf", mmproj_type="f16"), validate=True)
     assert not (tmp_path / "bad").exists()
+
+
+def _cogvlm_folder(path, cogvlm2: bool):
+    """A float folder with CogVLM's config and tensor names (those of seed 001's CogVLM2 checkpoint, tiny:
+    the refusal reads names and config only)."""
+    import torch
+    from safetensors.torch import save_file
+
+    h = 64
+    t = {"model.embed_tokens.weight": (128, h), "model.norm.weight": (h,), "lm_head.weight": (128, h),
+         "model.layers.0.input_layernorm.weight": (h,), "model.layers.0.post_attention_layernorm.weight": (h,),
+         "model.layers.0.self_attn.language_expert_query_key_value.weight": (3 * h, h),
+         "model.layers.0.self_attn.vision_expert_query_key_value.weight": (3 * h, h),
+         "model.vision.patch_embedding.proj.weight": (h, 3, 14, 14)}
+    if cogvlm2:
+        t.update({"model.layers.0.self_attn.vision_expert_query_key_value.bias": (3 * h,),
+                  "model.vision.conv.weight": (h, h, 2, 2), "model.vision.conv.bias": (h,)})
+    path.mkdir()
+    save_file({k: torch.zeros(s, dtype=torch.bfloat16) for k, s in t.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["CogVLMForCausalLM"], "model_type": "cogvlm2" if cogvlm2 else "cogvlm", "hidden_size": h,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 1, "vocab_size": 128,
+        "torch_dtype": "bfloat16"}))
+    return path
+
+
+@pytest.mark.parametrize("cogvlm2, needles", [
+    (True, ("model.vision.conv, CogVLM2's) has no place in llama.cpp's cogvlm clip graph",
+            "loads no bias for the vision expert's query_key_value")),
+    (False, ("no CogVLM checkpoint made by CogVLM's own code",)),
+])
+def test_cogvlm_is_refused_with_the_reason(tmp_path, cogvlm2, needles):
+    """CogVLM (seed 001's model): llama.cpp's cogvlm graphs cannot compute CogVLM2 (its vision conv, its
+    vision expert's qkv bias), so --to gguf refuses by name, saying why, and writes nothing."""
+    src = _cogvlm_folder(tmp_path / "cogvlm", cogvlm2)
+    one_error(run_qconv("convert", src, tmp_path / "m.gguf", "--to", "gguf"), 5,
+              "config.json", "is CogVLM (CogVLMForCausalLM), which qconv does not write as GGUF", *needles)
+    assert not list(tmp_path.glob("*.gguf"))
