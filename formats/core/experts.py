@@ -31,6 +31,10 @@ PER_EXPERT_TYPES = frozenset((
     "dots1", "ernie4_5_moe", "afmoe", "longcat_flash", "solar_open", "mellum", "beam", "hunyuan_v1_moe",
     "flex_olmo", "olmoe", "exaone_moe", "cohere2_moe"))
 FUSED = ("gate_up_proj", "down_proj")
+# model types whose checkpoints hold fused experts in either of two layouts: transformers' own [E, 2I, H]
+# (what it saves), or the released checkpoints' transposed [E, H, 2I] (conversion_mapping.py's Transpose
+# on load), told apart by the config's sizes; only the first is split
+TRANSPOSED_ON_LOAD = frozenset(("qwen3_vl_moe",))
 
 
 def model_type(config: Mapping | None) -> str | None:
@@ -46,9 +50,27 @@ def why_not_split(config: Mapping | None, m: QuantModule | None = None) -> str |
                 "that any loader reads (transformers and vLLM build its experts fused)")
     if kind in PER_EXPERT_TYPES:
         return None
+    if kind in TRANSPOSED_ON_LOAD:
+        return None if m is None else _transposed(config, m)
     return (f"qconv splits fused experts for the model types whose fused layout is transformers' "
             f"[E, 2I, H] gate-then-up (qwen2_moe, qwen3_moe, deepseek_v3, glm4_moe, ...), not "
             f"{kind or 'an unnamed model type'!r}")
+
+
+def _transposed(config: Mapping, m: QuantModule) -> str | None:
+    """Why a fused module of a TRANSPOSED_ON_LOAD model is not transformers' [E, 2I, H] / [E, H, I], or None."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    inter, hidden = text.get("moe_intermediate_size"), text.get("hidden_size")
+    gate_up = m.name.endswith(".gate_up_proj")
+    want = (2 * inter, hidden) if gate_up else (hidden, inter)
+    got = (m.out_features // max(m.experts, 1), m.in_features)
+    if isinstance(inter, int) and isinstance(hidden, int) and got == want:
+        return None
+    leaf = m.name.rsplit(".", 1)[-1]
+    return (f"its {leaf} is stored [{m.experts}, {got[0]}, {got[1]}], not transformers' own [{m.experts}, {want[0]}, "
+            f"{want[1]}] (the released checkpoints' layout is transposed, and transformers transposes it when it "
+            f"loads them): save it once with transformers ({model_type(config)}: from_pretrained, "
+            f"save_pretrained) to write the layout qconv splits")
 
 
 def split_names(name: str, experts: int, rows: int) -> list[tuple[str, int, int]]:

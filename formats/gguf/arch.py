@@ -44,6 +44,8 @@ ARCHS = {a.model_type: a for a in (
     Arch("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True),
     Arch("qwen2vl", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", qkv_bias=True, text_of="qwen2"),
     Arch("qwen3vl", "qwen3_vl", "Qwen3VLForConditionalGeneration", qk_norm=True, text_of="qwen3", deepstack=True),
+    Arch("qwen3vlmoe", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", qk_norm=True, moe=True,
+         text_of="qwen3moe", deepstack=True),
 )}
 BY_GGUF_NAME = {a.name: a for a in ARCHS.values()}
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -196,6 +196,7 @@ MODELS = {v.model_type: v for v in (
                 + [f"v.deepstack.{i}.{t}" for i in vision.get("deepstack_visual_indexes") or []
                    for t in ("norm.weight", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]),
 )}
+MODELS["qwen3_vl_moe"] = replace(MODELS["qwen3_vl"], model_type="qwen3_vl_moe")     # Qwen3-VL's tower, MoE text
 
 
 def _int(section: Mapping, key: str, where) -> int:
@@ -610,6 +611,7 @@ _BACK = {
                  {"size": {"longest_edge": 16777216, "shortest_edge": 65536},
                   "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor"}),
 }
+_BACK["qwen3_vl_moe"] = _BACK["qwen3_vl"][:2] + ("qwen3_vl_moe_text",) + _BACK["qwen3_vl"][3:]
 _BLOCK_TYPES = ("Q8_0",)            # block-typed tower weights read back as the gguf family's modules
 
 

@@ -68,12 +68,13 @@ CASES = [
     ("llama3-rope-q8_0", "llama-gptq-w8g128" + LLAMA3, (), True),
     ("qwen3moe-mxfp4-gptoss-kept", "qwen3moe-mxfp4-gptoss", (), True),
     ("qwen3moe-bf16-float-f16", "qwen3moe-bf16", ("--gguf-float", "--gguf-float-type", "f16"), True),
+    ("qwen3vlmoe-bf16-float", "qwen3vlmoe-bf16", ("--gguf-float", "--no-mmproj"), True),
 ]
 K_QUANTS = ("Q4_K_M", "Q6_K")
 ARCH = {"qwen2-w4-q4_0": "qwen2", "qwen3-w8-q8_0": "qwen3", "qwen3moe-fp8-requant": "qwen3moe",
         "qwen3moe-bf16-float": "qwen3moe", "qwen3vl-bnb8-q8_0": "qwen3vl",
         "qwen25vl-bf16-float": "qwen2vl", "qwen3moe-mxfp4-gptoss-kept": "qwen3moe",
-        "qwen3moe-bf16-float-f16": "qwen3moe"}
+        "qwen3moe-bf16-float-f16": "qwen3moe", "qwen3vlmoe-bf16-float": "qwen3vlmoe"}
 # Sources whose `qconv dequantize` folder transformers loads as ANOTHER model: qwen3moe-mxfp4-gptoss keeps
 # gpt-oss' interleaved gate / up rows under a qwen3_moe config (tests/verbs/test_dequantize.py), which
 # Qwen3MoeExperts reads as gate rows then up rows (measured: logits 1.08 away from the right model). Their

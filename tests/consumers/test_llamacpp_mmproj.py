@@ -46,6 +46,7 @@ CASES = [
     ("qwen3vl-bnb8-q8_0", "qwen3vl-bnb8-skipvisual", ("--mmproj-type", "q8_0"), "128x128,160x96",
      {"F32": 32, "Q8_0": 14}),
     ("qwen25vl-q8_0", "qwen25vl-bf16", ("--mmproj-type", "q8_0"), "224x168", {"F32": 23, "Q8_0": 16}),
+    ("qwen3vlmoe-f32", "qwen3vlmoe-bf16", ("--mmproj-type", "f32"), "128x128", {"F32": 46}),
 ]
 
 
@@ -66,7 +67,8 @@ def _transformers(folder, images: dict) -> dict:
     config = json.loads((folder / "config.json").read_text())
     pre = json.loads((folder / "preprocessor_config.json").read_text())
     cls = {"qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
-           "qwen3_vl": transformers.Qwen3VLForConditionalGeneration}[config["model_type"]]
+           "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+           "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration}[config["model_type"]]
     model = cls.from_pretrained(folder, dtype=torch.float32).eval()
     v = model.config.vision_config
     p, m, t = v.patch_size, v.spatial_merge_size, v.temporal_patch_size

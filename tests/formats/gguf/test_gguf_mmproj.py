@@ -234,7 +234,7 @@ def _llama_cpp_mmproj(src, dst, outtype) -> None:
 
 
 @pytest.mark.consumer(LLAMACPP / "convert_hf_to_gguf.py", "llama.cpp's converter (bin/setup llamacpp)")
-@pytest.mark.parametrize("fixture", ["qwen25vl-bf16", "qwen3vl-bf16"])
+@pytest.mark.parametrize("fixture", ["qwen25vl-bf16", "qwen3vl-bf16", "qwen3vlmoe-bf16"])
 @pytest.mark.parametrize("outtype", ["bf16", "f16", "f32", "q8_0"])
 def test_the_mmproj_file_is_llama_cpp_converters(tmp_path, fixture, outtype):
     """The same tower through `convert_hf_to_gguf.py --mmproj --outtype T` and through `--to gguf

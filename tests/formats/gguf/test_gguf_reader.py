@@ -66,7 +66,8 @@ def test_a_code_kept_gguf_dequantizes_to_the_sources_float_model(tmp_path, src):
 
 
 @pytest.mark.parametrize("name, text_class", [("qwen3vl-bf16", "Qwen3ForCausalLM"),
-                                              ("qwen25vl-bf16", "Qwen2ForCausalLM")])
+                                              ("qwen25vl-bf16", "Qwen2ForCausalLM"),
+                                              ("qwen3vlmoe-bf16", "Qwen3MoeForCausalLM")])
 def test_a_vl_gguf_dequantizes_to_the_text_model_it_computes(tmp_path, name, text_class):
     """A qwen3vl / qwen2vl GGUF holds Qwen3-VL's / Qwen2.5-VL's text decoder (the vision tower is
     llama.cpp's mmproj file; with it beside, test_gguf_vl_pair.py): alone, dequantize writes it as the

@@ -173,3 +173,34 @@ def test_a_pair_that_is_not_one_model_is_refused(tmp_path, case, edit, code, nee
     _edit_mmproj(tmp_path / "mmproj-m.gguf", **edit)
     one_error(run_qconv("dequantize", gguf_file, tmp_path / "back"), code, *needles)
     assert not (tmp_path / "back").exists()
+
+
+def test_a_moe_pair_reads_back_as_the_text_model_saying_why(tmp_path):
+    """Qwen3-VL-MoE: transformers loads its experts fused only, and a GGUF's stacked experts come back one
+    per expert, so the pair reads back as the text model (Qwen3MoeForCausalLM), with a warning naming
+    the mmproj file and why; inspect says so too."""
+    _, gguf_file = _pair(tmp_path, "qwen3vlmoe-bf16", "--gguf-float")
+    g = inspect_json(gguf_file)["gguf"]
+    assert (g["mmproj_beside"], g["mmproj_read_back"]) == ("mmproj-m.gguf", False)
+    proc = run_qconv("dequantize", gguf_file, tmp_path / "back", check=0)
+    assert "mmproj-m.gguf its vision tower, which qconv does not read back for a MoE model yet" in proc.stderr
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and "vision_config" not in config
+
+
+def test_qwen3_vl_moe_experts_in_the_released_layout_are_refused(tmp_path):
+    """The released Qwen3-VL-MoE checkpoints store their fused experts transposed ([E, H, 2I], which
+    transformers transposes when it loads them); qconv splits only transformers' own [E, 2I, H], so the
+    released layout is refused naming the tensor and the way out, never split wrong."""
+    from safetensors.torch import load_file, save_file
+
+    src = shutil.copytree(CHECKPOINTS / "qwen3vlmoe-bf16", tmp_path / "released")
+    tensors = load_file(src / "model.safetensors")
+    for k in list(tensors):
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[k] = tensors[k].transpose(1, 2).contiguous()
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    one_error(run_qconv("convert", src, tmp_path / "m.gguf", "--to", "gguf"), 5,
+              "experts.down_proj", "is stored [4, 96, 256], not transformers' own [4, 256, 96]",
+              "save it once with transformers")
+    assert not list(tmp_path.glob("*.gguf"))
