@@ -7,7 +7,8 @@ the image, which see text only, and the 14 after it) agree with transformers' Qw
 forward on the same token ids (llama.cpp's, so tokenizers do not matter), pixels and M-RoPE positions
 (llama.cpp's, which must equal transformers' own get_rope_index). Fixtures: qwen25vl-bf16 (224 x 168
 image, 48 image tokens, two attention windows), qwen3vl-bf16 (320 x 256, 80 tokens, two deepstack layers;
-its copy gets the tokenizer of qwen3vl-bnb8-skipvisual, as a GGUF needs one).
+its copy gets the tokenizer of qwen3vl-bnb8-skipvisual, as a GGUF needs one), qwen3vlmoe-bf16 (the same
+image; its text decoder's experts in llama.cpp's qwen3vlmoe: within the same bounds).
 
 What transformers is made to compute (_emulate_llama_cpp): llama.cpp's choices, not qconv's. Its CPU
 conv runs the patch embedding in float16 and its GELU is a float16 table of the tanh approximation:
@@ -50,7 +51,8 @@ EMBD_BOUND = 5e-4     # max |difference| of the image embeddings, relative to th
 pytestmark = [pytest.mark.llamacpp, pytest.mark.consumer(LLAMA_PYTHON, "llama.cpp's Python bindings (.venv-llamacpp)")]
 
 # model: (fixture, image width x height llama.cpp does not resize)
-MODELS = {"qwen25vl": ("qwen25vl-bf16", (224, 168)), "qwen3vl": ("qwen3vl-bf16", (320, 256))}
+MODELS = {"qwen25vl": ("qwen25vl-bf16", (224, 168)), "qwen3vl": ("qwen3vl-bf16", (320, 256)),
+          "qwen3vlmoe": ("qwen3vlmoe-bf16", (320, 256))}
 
 
 def _image(w: int, h: int) -> np.ndarray:
@@ -110,7 +112,7 @@ def _emulate_llama_cpp(model, pixels, rms_eps):
     for module in model.model.language_model.modules():
         if hasattr(module, "variance_epsilon"):
             module.variance_epsilon = rms_eps
-    if model.config.model_type == "qwen3_vl":
+    if model.config.model_type in ("qwen3_vl", "qwen3_vl_moe"):
         rotary = model.model.language_model.rotary_emb
         s0, s1, s2 = rotary.mrope_section[:3]
         n = rotary.inv_freq.shape[0]
@@ -141,7 +143,8 @@ def _transformers(folder, image, got: dict, *, rms_eps: float, positions=None) -
     config = json.loads((folder / "config.json").read_text())
     pre = json.loads((folder / "preprocessor_config.json").read_text())
     cls = {"qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
-           "qwen3_vl": transformers.Qwen3VLForConditionalGeneration}[config["model_type"]]
+           "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+           "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration}[config["model_type"]]
     model = cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     v = model.config.vision_config
     p, m, t = v.patch_size, v.spatial_merge_size, v.temporal_patch_size
@@ -242,6 +245,7 @@ CONTROLS = [
     ("qwen3vl", "grid-transposed", _transposed_grid, None),
     ("qwen25vl", "mmproj-post-ln-x1.001", lambda got: {}, _post_ln_scaled),
     ("qwen3vl", "mmproj-deepstack-swapped", lambda got: {}, _deepstack_swapped),
+    ("qwen3vlmoe", "grid-transposed", _transposed_grid, None),
 ]
 
 
