@@ -575,7 +575,8 @@ def _common_vision(meta: Mapping, where) -> dict:
     return {"depth": u("block_count"), "hidden_size": u("embedding_length"), "intermediate_size":
             u("feed_forward_length"), "num_heads": u("attention.head_count"), "in_channels": 3,
             "out_hidden_size": u("projection_dim"), "patch_size": u("patch_size"),
-            "spatial_merge_size": meta.get("clip.vision.spatial_merge_size", 2), "temporal_patch_size": 2,
+            "spatial_merge_size": u("spatial_merge_size") if "clip.vision.spatial_merge_size" in meta else 2,
+            "temporal_patch_size": 2,
             "initializer_range": 0.02}
 
 

@@ -204,3 +204,11 @@ def test_qwen3_vl_moe_experts_in_the_released_layout_are_refused(tmp_path):
               "experts.down_proj", "is stored [4, 96, 256], not transformers' own [4, 256, 96]",
               "save it once with transformers")
     assert not list(tmp_path.glob("*.gguf"))
+
+
+def test_a_truncated_mmproj_file_is_refused_naming_it(tmp_path):
+    _, gguf_file = _pair(tmp_path, "qwen25vl-bf16", "--gguf-float")
+    mm = tmp_path / "mmproj-m.gguf"
+    mm.write_bytes(mm.read_bytes()[: mm.stat().st_size // 2])
+    one_error(run_qconv("dequantize", gguf_file, tmp_path / "back"), 4, "mmproj-m.gguf", "runs past the end of the file")
+    assert not (tmp_path / "back").exists()
