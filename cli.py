@@ -178,7 +178,9 @@ def _convert_table(result: dict) -> str:
             types = ", ".join(f"{n} {t}" for t, n in v["gguf_types"].items())
             lines.append(f"  {c['component']}: vision tower -> {v['file']} ({v['projector']}: {v['tensors']} tensors, "
                          f"{types}" + (f"; {v['dequantized_modules']} quantized Linears dequantized exactly"
-                                       if v["dequantized_modules"] else "") + ")")
+                                       if v["dequantized_modules"] else "")
+                         + (f"; {v['codes_kept_modules']} quantized Linears' codes kept as Q8_0"
+                            if v.get("codes_kept_modules") else "") + ")")
             if v.get("validation"):
                 lines.append(f"validated {v['file']}: {v['validation']['tensors']} tensors read back as the source")
             for r in v["float_rounded"]:
@@ -195,6 +197,11 @@ def _convert_table(result: dict) -> str:
                          f"the output of the source's own matmul ({', '.join(a['source_matmul'])}) by "
                          f"{a['median_vs_source_matmul']:.2%} (median layer), {a['max_vs_source_matmul']:.2%} at "
                          f"worst ({a['worst_layer']}), on {a['samples']} outlier-shaped activation rows")
+    dst = Path(result["destination"])
+    shards = [s for c in result["components"] for s in c.get("shards", ())]
+    if len(shards) > 1 and dst.suffix == ".gguf":     # --to gguf past --max-shard-size: llama.cpp's split files
+        return "\n".join(lines) + (f"\nwrote {dst.parent / shards[0]} ... {shards[-1]} ({len(shards)} split files, "
+                                   f"read from the first) in {result['seconds']:.1f} s")
     return "\n".join(lines) + f"\nwrote {result['destination']} in {result['seconds']:.1f} s"
 
 

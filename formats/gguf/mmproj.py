@@ -369,11 +369,10 @@ def write(comp: Component, det, path: Path, planned) -> dict:
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     fout = writer.fout[0]
-    rounded, quantized, dequantized = [], [], set()
+    rounded, quantized, dequantized, kept = [], [], set(), set()
     encoded = (None, None)                             # (source, its Q8_0 blocks): a split source encoded once
     for t, whole, values, info, qt in _values(comp, det, tensors):
-        if t.module is not None:
-            dequantized.add(t.module.name)
+        how = None
         if t.type_name == "Q8_0":
             if encoded[0] != t.source:
                 encoded = (t.source, _q8_0(whole, qt, info, t.source))
@@ -385,6 +384,8 @@ def write(comp: Component, det, path: Path, planned) -> dict:
             if rounding.values:
                 rounded.append({"tensor": t.name, "source": t.source, "to": t.type_name, "values": rounding.values,
                                 "max_rel_error": rounding.max_rel_error})
+        if t.module is not None:                       # a quantized Linear: its codes kept, or dequantized
+            (kept if how is not None and how["codes"] == "kept" else dequantized).add(t.module.name)
         stored = np.ascontiguousarray(stored)
         if stored.nbytes != _nbytes(t):
             raise AssertionError(f"{t.name}: {stored.nbytes} bytes encoded, {_nbytes(t)} planned")
@@ -396,7 +397,8 @@ def write(comp: Component, det, path: Path, planned) -> dict:
     for t in tensors:
         types[t.type_name] = types.get(t.type_name, 0) + 1
     return {"file": path.name, "projector": model.projector, "tensors": len(tensors),
-            "gguf_types": dict(sorted(types.items())), "dequantized_modules": len(dequantized),
+            "gguf_types": dict(sorted(types.items())), "dequantized_modules": len(dequantized - kept),
+            "codes_kept_modules": len(kept),
             "float_rounded": rounded, **({"q8_0": quantized} if quantized else {})}
 
 
@@ -453,9 +455,10 @@ def _q8_0_error(blocks, values) -> dict:
     """The written tensor's error against its source's exact weights: ||W_q - W|| / ||W|| and max |W_q - W|."""
     import numpy as np
 
-    diff = _q8_0_values(blocks).astype(np.float64) - values.astype(np.float64)
-    norm = float(np.linalg.norm(values.astype(np.float64)))
-    return {"rel_frobenius": round(float(np.linalg.norm(diff)) / norm, 6) if norm else 0.0,
+    diff = _q8_0_values(blocks)
+    diff -= values                                     # float32 (BLAS's scaled norms: no overflow)
+    norm = float(np.linalg.norm(values.reshape(-1)))
+    return {"rel_frobenius": round(float(np.linalg.norm(diff.reshape(-1))) / norm, 6) if norm else 0.0,
             "max_abs": float(np.abs(diff).max(initial=0.0))}
 
 

@@ -107,7 +107,8 @@ def test_mtmd_image_embeddings_equal_transformers_vision_tower(tmp_path, case, f
     assert _gguf_types(mmproj) == types == report["mmproj"]["gguf_types"]
     got = _mtmd(dst, mmproj, sizes, tmp_path / "mtmd.npz")
     reference = src
-    if report["mmproj"]["dequantized_modules"]:                # the source's exact weights, as a float folder
+    if report["mmproj"]["dequantized_modules"] or report["mmproj"]["codes_kept_modules"]:   # a quantized tower:
+        # transformers on the source's exact weights, as a float folder
         reference = tmp_path / "float"
         run_qconv("dequantize", src, reference, "--dtype", "float32", check=0)
     images = {k[4:]: v for k, v in got.items() if k.startswith("img_")}

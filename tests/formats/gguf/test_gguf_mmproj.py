@@ -49,7 +49,7 @@ def test_qwen25_vl_tower_is_written_exactly(tmp_path):
     comp = _convert(src, tmp_path / "m.gguf")
     assert comp["warnings"] == [] and comp["mmproj"] == {
         "file": "mmproj-m.gguf", "projector": "qwen2.5vl_merger", "tensors": 39, "gguf_types": {"BF16": 16, "F32": 23},
-        "dequantized_modules": 0, "float_rounded": []}
+        "dequantized_modules": 0, "codes_kept_modules": 0, "float_rounded": []}
     keys, tensors = _read(tmp_path / "mmproj-m.gguf")
     config = json.loads((src / "config.json").read_text())
     vision, pre = config["vision_config"], json.loads((src / "preprocessor_config.json").read_text())
@@ -109,6 +109,7 @@ def test_q8_0_keeps_bitsandbytes_codes(tmp_path, monkeypatch):
     comp = _convert(src, tmp_path / "m.gguf", "--mmproj-type", "q8_0", "--validate")
     mm = comp["mmproj"]
     assert mm["gguf_types"] == {"F32": 32, "Q8_0": 14} and mm["validation"]["ok"] is True
+    assert (mm["codes_kept_modules"], mm["dequantized_modules"]) == (14, 0)
     assert {e["codes"] for e in mm["q8_0"]} == {"kept"} and len(mm["q8_0"]) == 14
     assert all(0 < e["max_scale_rel_error"] < 2.0 ** -11 and e["rel_frobenius"] < 1e-3 for e in mm["q8_0"])
     with safe_open(next(src.glob("*.safetensors")), "np") as f:          # its int8 codes and float32 SCB
