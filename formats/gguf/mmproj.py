@@ -678,8 +678,9 @@ def read_back(path: Path, model_type: str) -> ReadBack:
         used.update(g for g, _ in targets)
         kinds = {t.type_name for t in parts}
         kind = kinds.pop() if len(kinds) == 1 else None
-        if kind not in ("F32", "F16", "BF16", *_BLOCK_TYPES) or (kind in _BLOCK_TYPES and targets[0][1] not in (None,)
-                                                                   and targets[0][1][0] != "rows"):
+        joined = targets[0][1]
+        if kind not in ("F32", "F16", "BF16", *_BLOCK_TYPES) or (
+                kind in _BLOCK_TYPES and joined is not None and joined[0] != "rows"):     # blocks: rows joined only
             raise UnsupportedFormat(f"is {'/'.join(sorted(t.type_name for t in parts))}, which qconv does not read "
                                     f"back as {hf}", file=path, tensor=targets[0][0])
         tensors[hf] = _assembled(hf, kind, [(t, shapes[t.name]) for t in parts], targets[0][1], path)

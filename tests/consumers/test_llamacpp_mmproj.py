@@ -163,3 +163,24 @@ def test_a_q8_0_layout_error_is_caught(tmp_path):
     want = _transformers(tmp_path / "float", {"128x128": got["img_128x128"]})["128x128"]
     rel = float(np.abs(got["embd_128x128"] - want).max() / np.abs(want).max())
     assert rel > 5 * TOLERANCE["Q8_0"], rel
+
+
+@pytest.mark.parametrize("mmproj_type, types", [("auto", {"F32": 46}), ("q8_0", {"F32": 32, "Q8_0": 14})])
+def test_a_gptq_tower_in_mtmd(tmp_path, mmproj_type, types):
+    """A GPTQ vision tower (no producer here writes a GPTQ VL model: qconv's own bnb8-to-gptq of the
+    Qwen3-VL fixture, every code kept, whose GPTQ reading is proven against GPTQModel's files elsewhere):
+    its mmproj file, the tower dequantized exactly or its 8-bit codes kept as Q8_0, gives llama.cpp's
+    libmtmd the image embeddings of transformers on the GPTQ folder's exact weights."""
+    src = tmp_path / "gptq"
+    run_qconv("convert", CHECKPOINTS / "qwen3vl-bnb8-skipvisual", src, "--to", "gptq", "--bits", "8", check=0)
+    config = json.loads((src / "config.json").read_text())
+    assert "model.visual.blocks" in config["quantization_config"]["block_name_to_quantize"]
+    dst = tmp_path / "m.gguf"
+    proc = run_qconv("convert", src, dst, "--to", "gguf", "--mmproj-type", mmproj_type, "--json", check=0)
+    mm = json.loads(proc.stdout)["components"][0]["mmproj"]
+    assert mm["gguf_types"] == types and mm["dequantized_modules"] + mm["codes_kept_modules"] == 14
+    got = _mtmd(dst, tmp_path / "mmproj-m.gguf", "128x128", tmp_path / "mtmd.npz")
+    run_qconv("dequantize", src, tmp_path / "float", "--dtype", "float32", check=0)
+    want = _transformers(tmp_path / "float", {"128x128": got["img_128x128"]})["128x128"]
+    rel = float(np.abs(got["embd_128x128"] - want).max() / np.abs(want).max())
+    assert rel < TOLERANCE["Q8_0" if "Q8_0" in types else "F32"], rel
