@@ -412,6 +412,7 @@ def _q8_0(whole, qt, info, source: str) -> tuple:
     import numpy as np
 
     from ...errors import NotStorable
+    from ..core.tally import Stats
     from . import codec
 
     reason = "float weights quantized"
@@ -420,9 +421,9 @@ def _q8_0(whole, qt, info, source: str) -> tuple:
             blocks, exact = codec.encode(qt, "Q8_0")
             stored = codec.stored_scales(blocks, "Q8_0")
             if np.isfinite(stored).all() and not np.any((stored == 0) & (exact != 0)):
-                rel = np.abs(stored.astype(np.float64) - exact) / np.maximum(np.abs(exact.astype(np.float64)),
-                                                                            np.finfo(np.float64).tiny)
-                return blocks, {"codes": "kept", "max_scale_rel_error": float(rel.max(initial=0.0))}
+                rounding = Stats()
+                rounding.scale_rounding(exact, stored)
+                return blocks, {"codes": "kept", "max_scale_rel_error": rounding.max_scale_rel_error}
             reason = "its scales do not fit float16"
         except NotStorable as exc:
             reason = f"its codes do not fit Q8_0 ({exc})"
@@ -442,20 +443,12 @@ def _rows_of(encoded: tuple, part) -> tuple:
     return blocks, how
 
 
-def _q8_0_values(blocks):
-    """float32 [rows, columns]: what llama.cpp computes with, d * qs per block."""
-    import numpy as np
-
-    b = np.ascontiguousarray(blocks).reshape(blocks.shape[0], -1, 2 + QK)
-    d = b[:, :, :2].copy().view(np.float16).astype(np.float32)
-    return (b[:, :, 2:].view(np.int8).astype(np.float32) * d).reshape(blocks.shape[0], -1)
-
-
 def _q8_0_error(blocks, values) -> dict:
     """The written tensor's error against its source's exact weights: ||W_q - W|| / ||W|| and max |W_q - W|."""
+    import gguf
     import numpy as np
 
-    diff = _q8_0_values(blocks)
+    diff = gguf.quants.dequantize(np.ascontiguousarray(blocks), gguf.GGMLQuantizationType.Q8_0)
     diff -= values                                     # float32 (BLAS's scaled norms: no overflow)
     norm = float(np.linalg.norm(values.reshape(-1)))
     return {"rel_frobenius": round(float(np.linalg.norm(diff.reshape(-1))) / norm, 6) if norm else 0.0,
@@ -735,8 +728,6 @@ def _assembled(hf: str, kind: str, parts: list, part, path: Path):
 def _joined(pieces: tuple, stored: str, how: str, info, rows):
     """Rows r0:r1 (None: all) of a tower tensor made of several mmproj tensors, as info.dtype: q / k / v
     rows read from the parts they lie in, or the two temporal kernels stacked (TensorInfo.decode)."""
-    from dataclasses import replace
-
     import numpy as np
 
     from ..storage.tensor_io import convert_float, read_array
