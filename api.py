@@ -31,7 +31,7 @@ from typing import Any, Mapping
 
 from .errors import CheckFailed, UsageError, ValidationFailed
 from .formats.core.options import DEFAULT_MAX_SHARD, FLOAT_TARGETS, Options, convert_targets, declared, parse_size
-from .formats.core.options import check_choice as _choice, check_flag as _flag, check_int as _int_in
+from .formats.core.options import check_flag as _flag, check_int as _int_in, check_name as _name
 from .formats.core.options import check_jobs as _jobs, what as _what
 from .progress import ProgressCallback, ProgressEvent, reporting
 
@@ -58,7 +58,7 @@ def target_options(to: str | None = None) -> dict[str, dict]:
     "targets", "default", "choices", "deprecated"}, ...]}, one entry per declaration (a keyword two targets
     declare with their own meaning, block_size, has one per meaning); to: only the options of that target."""
     if to is not None:
-        _choice("to", to, convert_targets())
+        _name("to", to, convert_targets())
     out = {}
     for name, decls in declared().items():
         for opt, names in decls:
@@ -68,6 +68,13 @@ def target_options(to: str | None = None) -> dict[str, dict]:
                                              "default": opt.default, "choices": list(opt.choices),
                                              "deprecated": list(opt.deprecated)})
     return out
+
+
+def _progress(value: ProgressCallback | None) -> ProgressCallback | None:
+    """The progress argument: None, or a callable taking a ProgressEvent."""
+    if value is not None and not callable(value):
+        raise UsageError(f"progress {value!r} is not a callable taking a ProgressEvent (or None)")
+    return value
 
 
 def _path(name: str, value) -> Path:
@@ -102,7 +109,7 @@ class DequantizeOptions:
     jobs: int | None = None                # worker processes for the output shards (None: the machine's cores)
 
     def __post_init__(self):
-        _choice("dtype", self.dtype, DEQUANTIZE_DTYPES)
+        _name("dtype", self.dtype, DEQUANTIZE_DTYPES)
         _flag("overwrite", self.overwrite)
         object.__setattr__(self, "jobs", _jobs(self.jobs))
         object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
@@ -118,11 +125,11 @@ class ValidateOptions:
     kernels: str = "sampled"
 
     def __post_init__(self):
-        _choice("device", self.device, DEVICES)
-        _choice("rows", self.rows, ROWS)
-        _choice("kernels", self.kernels, KERNELS)
-        _int_in("samples", self.samples, *SAMPLES_RANGE)
-        _int_in("seed", self.seed, *SEED_RANGE)
+        _name("device", self.device, DEVICES)
+        _name("rows", self.rows, ROWS)
+        _name("kernels", self.kernels, KERNELS)
+        _int_in("samples", self.samples, *SAMPLES_RANGE, optional=False)
+        _int_in("seed", self.seed, *SEED_RANGE, optional=False)
         if self.tol is not None and (isinstance(self.tol, bool) or not isinstance(self.tol, (int, float))
                                      or not math.isfinite(self.tol) or self.tol <= 0):
             raise UsageError(f"{_what('tol')} {self.tol!r} is not a positive finite number")
@@ -233,8 +240,9 @@ def inspect(path: str | os.PathLike[str], *, strict: bool = False) -> InspectRes
 def _run_convert(src, dst, opts: ConvertOptions, progress: ProgressCallback | None) -> ConvertResult:
     from .convert.convert import convert as run_convert
 
+    src, dst, progress = _path("src", src), _path("dst", dst), _progress(progress)
     with reporting(progress):
-        data = run_convert(_path("src", src), _path("dst", dst), opts, overwrite=opts.overwrite,
+        data = run_convert(src, dst, opts, overwrite=opts.overwrite,
                            max_shard_size=opts.max_shard_size, validate=opts.validate, jobs=opts.jobs)
     packed = [c for c in data["components"] if "to" in c]
     return _written(ConvertResult, data, codes_kept=sum(c["codes_kept"] for c in packed),
@@ -252,11 +260,14 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
 
     ``options`` are the target's own, as it declares them (``target_options(to)`` lists them with their
     flags and help): bits, group_size (-1: one group per row), sym, scale_dtype for the integer targets
-    (None: the source's); block_size for bnb4 (N, its absmax block) and fp8 ((rows, cols) or "128x128");
-    double_quant, quant_storage for bnb4; gguf_asym ("q5_0", exact; "q4_1"), gguf_float, gguf_float_type
-    ("auto", "f32", "f16", "bf16", "q8_0") for gguf ([gguf.md](docs/gguf.md)). An option the target does not
-    take is a ``UsageError``, never ignored; ``blocksize=`` is the old spelling of bnb4's block_size
-    (a DeprecationWarning). validate=True checks every layer against ``src`` before ``dst`` is published
+    (None: the source's); block_size for bnb4 (N, its absmax block) and fp8 ((rows, cols) or "128x128", no
+    side larger than 65536 or than every module's); double_quant, quant_storage for bnb4; gguf_asym
+    ("q5_0", exact; "q4_1"), gguf_float, gguf_float_type ("auto", "f32", "f16", "bf16", "q8_0") for gguf
+    ([gguf.md](docs/gguf.md)); None (each one's default here) is "not given": the target's declared
+    default. An option the target does not take is a ``UsageError`` given with any value but None, its
+    default included, never ignored; an argument of the wrong type (``to=None``, ``progress=3``) is a
+    ``UsageError`` too; ``blocksize=`` is the old spelling of bnb4's block_size (a DeprecationWarning).
+    validate=True checks every layer against ``src`` before ``dst`` is published
     (``ValidationFailed`` otherwise, nothing written). ``dst`` must not exist or be empty unless
     overwrite=True. max_shard_size: bytes or "5GB". jobs: worker processes writing the output shards
     (None: the machine's cores); the bytes are the same whatever it is. search=False: modules requantized to
@@ -270,14 +281,16 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
 
 def _convert_signature():
     """convert's signature as ``inspect.signature`` (and help()) shows it: the run settings, and between
-    ``to`` and them every target option the registry's targets declare, with its declared default."""
+    ``to`` and them every target option the registry's targets declare, each None: not given (the
+    target's declared default, which ``target_options()`` lists; a target that does not take the option
+    refuses it given with any other value, its default included)."""
     import inspect as pyinspect
 
     sig = pyinspect.signature(convert)
     params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
     at = [p.name for p in params].index("to") + 1
-    declared_params = [pyinspect.Parameter(name, pyinspect.Parameter.KEYWORD_ONLY, default=decls[0][0].default)
-                       for name, decls in declared().items()]
+    declared_params = [pyinspect.Parameter(name, pyinspect.Parameter.KEYWORD_ONLY, default=None)
+                       for name in declared()]
     return sig.replace(parameters=params[:at] + declared_params + params[at:])
 
 
@@ -302,10 +315,11 @@ def dequantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtyp
     sharded safetensors, config.json without quantization_config, every other file copied. dtype: auto (the
     model's own), float16, bfloat16 or float32."""
     opts = DequantizeOptions(dtype, overwrite, max_shard_size, jobs)
+    src, dst, progress = _path("src", src), _path("dst", dst), _progress(progress)
     from .convert.dequantize import dequantize as run_dequantize
 
     with reporting(progress):
-        data = run_dequantize(_path("src", src), _path("dst", dst), dtype=None if opts.dtype == "auto" else opts.dtype,
+        data = run_dequantize(src, dst, dtype=None if opts.dtype == "auto" else opts.dtype,
                               overwrite=opts.overwrite, max_shard_size=opts.max_shard_size, jobs=opts.jobs)
     return _written(DequantizeResult, data,
                     dequantized_modules=sum(c["dequantized_modules"] for c in data["components"]))
@@ -325,7 +339,7 @@ def validate(a: str | os.PathLike[str], b: str | os.PathLike[str], *, device: st
     _path("a", a), _path("b", b)
     from .validation import validate as run_validate
 
-    with reporting(progress):
+    with reporting(_progress(progress)):
         data = run_validate(a, b, samples=opts.samples, seed=opts.seed, tol=opts.tol, device=opts.device,
                             rows=opts.rows, kernels=opts.kernels)
     only_a = tuple(m for c in data["components"] for m in c["only_in_a"]) + tuple(data["components_only_in_a"])

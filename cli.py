@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from . import __version__, api
 from .errors import EXIT_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, CheckFailed, QconvError
@@ -246,6 +247,9 @@ def _target_options(fn):
     return fn
 
 
+_NOT_GIVEN = (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP, None)
+
+
 def _old_spellings(options: dict, warned: list) -> dict:
     """--blocksize and the like: the declared option they were renamed to; the warning for stderr is
     added to warned (printed once the options are accepted: a refusal stays one line)."""
@@ -304,7 +308,11 @@ def convert_cmd(src, dst, to, search, overwrite, max_shard_size, jobs, as_json, 
     is refused (exit 2).
     """
     warned: list[str] = []
-    given = {k: v for k, v in _old_spellings(options, warned).items() if v is not None}
+    # the target options given on the command line, whatever their value (one the target does not take is
+    # refused at its default too), never what click filled in
+    ctx = click.get_current_context()
+    given = _old_spellings({k: v for k, v in options.items() if ctx.get_parameter_source(k) not in _NOT_GIVEN},
+                           warned)
     api.ConvertOptions(to, validate=validate, overwrite=overwrite, max_shard_size=max_shard_size, jobs=jobs,
                        search=search, **given)          # refused here (exit 2) before any warning is printed
     for line in warned:

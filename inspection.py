@@ -13,6 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .formats.storage.checkpoint import Component, container_named, container_of, open_target
+from .formats.core.activation import header_problem as activation_header_problem
 from .formats.core.detect import DECODED_METHODS, METHOD_NAMES, detect
 from .formats.core.layout import examples as _examples, human_bytes, human_count, indent, module_of, natural_key
 from .formats.core.registry import dialects_for, families
@@ -55,6 +56,10 @@ def inspect_component(comp: Component) -> dict:
             problems[p].append(m.name)
     for p, names in problems.items():
         warnings.append(f"{len(names)} modules: {p} ({_examples(names)})")
+    contradicted = [found for m in modules if (found := activation_header_problem(m, tensors)) is not None]
+    if contradicted:              # every writing verb refuses these (activation.check)
+        warnings.append(f"{len(contradicted)} activation scales contradict the config "
+                        f"({_examples(t for t, _ in contradicted)}); {contradicted[0][0]}: {contradicted[0][1]}")
 
     warnings += [f"config and tensors disagree: {d.message(key_namer(comp.config, comp.config_names))}"
                  for d in disagreements(comp.config, logical_shapes(tensors, modules))]

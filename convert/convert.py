@@ -514,9 +514,29 @@ class _Planned:
         return [self.outputs[k] for k in sorted(self.outputs, key=natural_key)]
 
 
+def _check_block_size(comp: Component, modules: list[QuantModule], opts: Options) -> None:
+    """A 2-D --block-size (fp8, compressed-tensors-fp8) larger than every module it would write, in rows or
+    in input columns, is refused (exit 2) before anything is written: a block no module has is a typo, and
+    the config's weight_block_size would describe blocks the checkpoint does not hold (transformers'
+    kernels and its dequantization are sized by it). One larger than some modules only is a partial
+    block, as the producers allow: one block over those modules' rows or columns."""
+    block = opts.block_size
+    if not isinstance(block, tuple) or len(block) != 2 or not modules:
+        return
+    rows = max(m.out_features // m.experts if m.experts else m.out_features for m in modules)
+    cols = max(m.in_features for m in modules)
+    over = ([f"{block[0]} rows (the most any module has: {rows})"] if block[0] > rows else []) \
+        + ([f"{block[1]} columns (the most input columns any module has: {cols})"] if block[1] > cols else [])
+    if over:
+        raise UsageError(f"--block-size {block[0]}x{block[1]}: a block of {' and '.join(over)} is larger than "
+                         f"every module --to {opts.to} would write; use at most {rows}x{cols} (a module smaller "
+                         f"than the block is one block over its rows or columns)", file=comp.path)
+
+
 def _plan(comp: Component, opts: Options) -> _Planned:
     det = require_decodable(comp)
     modules = check_source(comp, det, opts)
+    _check_block_size(comp, modules, opts)
     claimed = det.claimed_tensors | {t for m in modules for t in m.weight_tensors}
     src_dtype = model_dtype(comp, det)
     tally, cache = Tally(), _ModuleCache()

@@ -390,8 +390,8 @@ def quantize_fp8(w: np.ndarray, dtype: str, block_rows: int, group_size: int) ->
     q_min, q_max = torch.tensor(-E4M3_MAX), torch.tensor(E4M3_MAX)    # calculate_range: float32 0-dim
     block = group_size > 0
     if block:
-        b0, b1 = block_rows, group_size
-        rt, ct = -(-out // b0), -(-inp // b1)
+        b0, b1 = max(1, min(block_rows, out)), max(1, min(group_size, inp))   # a block larger than the
+        rt, ct = -(-out // b0), -(-inp // b1)          # weight: one block over it, padding sized by the weight
         x = torch.nn.functional.pad(x, (0, ct * b1 - inp, 0, rt * b0 - out), mode="constant", value=0)
         x = x.reshape(rt, b0, ct, b1).transpose(1, 2)                   # [rt, ct, b0, b1]
         lo, hi = x.amin(dim=(-2, -1)), x.amax(dim=(-2, -1))

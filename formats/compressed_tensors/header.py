@@ -561,10 +561,39 @@ def _static_activation(group: Mapping, prefix: str, tensors: Mapping[str, Tensor
     return {"scheme": scheme, "tensor": name, "kind": kind} if name in tensors else None
 
 
+def _declared_activations(gname: str, group: Mapping, prefix: str) -> dict | None:
+    """What the module's config group says of its activations, whatever its tensors hold
+    (core/activation.py, details["activations"]): static (dynamic false: ``input_scale``; NVFP4's
+    dynamic "local" tensor_group: ``input_global_scale``, the static global scale its run-time group
+    scales are under), dynamic (dynamic true) or unquantized (no input_activations): none stored. None
+    where the group says something else (qconv then holds the tensors to nothing)."""
+    acts = group.get("input_activations") if isinstance(group, Mapping) else None
+    label = f"config group {gname!r}"
+    if acts is None:
+        return {"static": False, "activations": "unquantized", "by": f"{label}: no input_activations, weights only"}
+    if not isinstance(acts, Mapping):
+        return None
+    dynamic = acts.get("dynamic")
+    if dynamic is False:
+        return {"static": True, "tensor": f"{prefix}.input_scale", "by": f"{label}: input_activations dynamic false",
+                "one": acts.get("strategy") == "tensor"}
+    if dynamic == "local" and acts.get("strategy") == "tensor_group":
+        return {"static": True, "tensor": f"{prefix}.input_global_scale",
+                "by": f"{label}: input_activations dynamic \"local\", strategy tensor_group", "one": True}
+    if dynamic is True:
+        return {"static": False, "activations": "dynamic", "by": f"{label}: input_activations dynamic true"}
+    return None
+
+
 def _with_activation(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> QuantModule:
     match = scheme_for(qc, m.name) if qc else None
-    act = _static_activation(match[1], m.name, tensors) if match else None
-    return m if act is None else replace(m, details={**m.details, "activation": act})
+    if match is None:
+        return m
+    act = _static_activation(match[1], m.name, tensors)
+    said = _declared_activations(match[0], match[1], m.name)
+    details = {**m.details, **({"activation": act} if act is not None else {}),
+               **({"activations": said} if said is not None else {})}
+    return replace(m, details=details)
 
 
 def _block_structure(value) -> list[int] | None:

@@ -92,11 +92,14 @@ def config_method(qc: Mapping | None) -> str | None:
     return str(method)
 
 
-def unaccounted_tensors(tensors: Mapping[str, TensorInfo], claimed: set[str]) -> tuple[str, ...]:
-    """Tensors that hold quantized data (QUANT_LEAVES, a bitsandbytes quant_state, an integer weight
-    matrix) but belong to no decoded module, in natural order."""
+def unaccounted_tensors(tensors: Mapping[str, TensorInfo], claimed: set[str],
+                        leaves: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Tensors that hold quantized data (QUANT_LEAVES and LEAVES, the state leaves of the families that
+    read this checkpoint; a bitsandbytes quant_state, an integer weight matrix) but belong to no decoded
+    module, in natural order."""
+    leaves = QUANT_LEAVES + tuple(leaves)
     return tuple(sorted((n for n, info in tensors.items() if n not in claimed and (
-        n.endswith(QUANT_LEAVES) or ".weight.quant_state." in n or info.dtype in FP8_DTYPES
+        n.endswith(leaves) or ".weight.quant_state." in n or info.dtype in FP8_DTYPES
         or (n.endswith(".weight") and len(info.shape) == 2 and info.dtype in INTEGER_DTYPES))),
         key=natural_key))
 
@@ -114,8 +117,14 @@ def without_quantization(config: Mapping) -> dict:
 def quant_config(comp: Component, warnings: list[str]) -> tuple[dict | None, str | None]:
     qc = (comp.config or {}).get("quantization_config")
     own = (comp.config or {}).get("quantization")
-    if not qc and isinstance(own, dict) and any(d.bare is not None and d.bare(own) for d in dialects()):
-        qc = own                                 # mlx-lm's own key (older mlx-lm writes only this one)
+    if isinstance(own, dict) and any(d.bare is not None and d.bare(own) for d in dialects()):
+        # mlx-lm's own key, which it reads first (older mlx-lm writes only this one); its mirror in
+        # quantization_config is no loader's, so where the two differ, what differs is said
+        if qc and qc != own:
+            key = next((k for k in sorted({*own, *qc}, key=str) if own.get(k) != qc.get(k)), None)
+            warnings.append(f"config.json's quantization_config.{key} is {qc.get(key)!r} but its quantization."
+                            f"{key} is {own.get(key)!r}; mlx-lm reads quantization, and so does qconv")
+        qc = own
     if qc:
         for name, side in comp.side_configs.items():
             for key in ("bits", "group_size", "sym", "desc_act"):
@@ -134,10 +143,12 @@ def detect(comp: Component) -> Detection:
     qc, qc_source = quant_config(comp, warnings)
     cfg_method = config_method(qc)
 
-    modules = [m for f in families() if f.claims(cfg_method, qc) for m in f.find(tensors, qc)]
+    claiming = [f for f in families() if f.claims(cfg_method, qc)]
+    modules = [m for f in claiming for m in f.find(tensors, qc)]
     modules.sort(key=lambda m: natural_key(m.name))
     unaccounted = unaccounted_tensors(
-        tensors, {t for m in modules for t in m.weight_tensors + m.state_tensors})
+        tensors, {t for m in modules for t in m.weight_tensors + m.state_tensors},
+        tuple(leaf for f in claiming for leaf in f.state_leaves))
     if cfg_method not in DECODED_METHODS and unaccounted:
         warnings.append(f"quant_method {cfg_method!r} is not a format qconv decodes; its packed "
                         f"tensors are listed as stored, not as quantized modules")

@@ -55,12 +55,20 @@ def parse_size(value: int | str, name: str = "max_shard_size") -> int:
 
 
 def check_choice(name: str, value, choices) -> None:
+    """One of choices, or None ("not given")."""
     if value is not None and value not in choices:
         raise UsageError(f"{what(name)} {value!r} is not one of {', '.join(map(str, choices))}")
 
 
-def check_int(name: str, value, lo: int, hi: int | None = None) -> None:
-    if value is None:
+def check_name(name: str, value, choices) -> None:
+    """A required choice: a str naming one of choices (None, a number or a list is not one)."""
+    if not isinstance(value, str) or value not in choices:
+        raise UsageError(f"{what(name)} {value!r} is not one of {', '.join(map(str, choices))}")
+
+
+def check_int(name: str, value, lo: int, hi: int | None = None, *, optional: bool = True) -> None:
+    """An int in lo..hi (not a bool, a float or a str); None where optional ("not given")."""
+    if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
         bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
@@ -141,8 +149,13 @@ def _group_size(value):
     return value
 
 
+BLOCK_MAX = 1 << 16     # a side of a 2-D block: no Linear has more rows or input columns than this
+
+
 def _block_2d(value) -> tuple[int, int]:
-    """An FP8 block: "128x128" (or "128,128"), or a pair of positive ints."""
+    """An FP8 block: "128x128" (or "128,128"), or a pair of positive ints, each side at most BLOCK_MAX
+    (convert refuses a side larger than every module it writes: _check_block_size)."""
+    given = value
     if isinstance(value, str):
         parts = value.lower().replace(",", "x").split("x")
         try:
@@ -151,8 +164,11 @@ def _block_2d(value) -> tuple[int, int]:
             value = None
     if (not isinstance(value, (tuple, list)) or len(value) != 2
             or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
-        raise UsageError(f"{what('block_size')} {value!r} is not a 2-D block size for this target: use ROWSxCOLS, "
+        raise UsageError(f"{what('block_size')} {given!r} is not a 2-D block size for this target: use ROWSxCOLS, "
                          f"e.g. 128x128")
+    if max(value) > BLOCK_MAX:
+        raise UsageError(f"{what('block_size')} {given!r}: a side of {max(value)} is beyond {BLOCK_MAX}; a block "
+                         f"is at most a module's rows x input columns (128x128 is the producers' default)")
     return tuple(value)
 
 
@@ -166,7 +182,8 @@ SCALE_DTYPE = Option("scale_dtype", "--scale-dtype", "Stored dtype of the scales
                      "stores float16 or bfloat16).", one_of("scale_dtype", SCALE_DTYPES), choices=SCALE_DTYPES)
 BLOCK_2D = Option("block_size", "--block-size", "fp8, compressed-tensors-fp8: ROWSxCOLS, the 2-D block of each "
                   "scale (default: the source's FP8 block, else 128x128 for fp8 and one scale per channel for "
-                  "compressed-tensors-fp8)", _block_2d, metavar="N|ROWSxCOLS")
+                  "compressed-tensors-fp8; no side above 65536 or larger than every module's rows or input columns)",
+                  _block_2d, metavar="N|ROWSxCOLS")
 INTEGER_OPTIONS = (BITS, GROUP_SIZE, SYM, SCALE_DTYPE)
 FP8_OPTIONS = (BLOCK_2D,)
 
@@ -197,6 +214,13 @@ def convert_targets() -> tuple[str, ...]:
             + FLOAT_TARGETS)
 
 
+def source_families() -> tuple[str, ...]:
+    """The names ``source=`` takes (a verb that converts one family only: bnb8-to-gptq's "bnb8")."""
+    from .registry import families
+
+    return tuple(f.name for f in families())
+
+
 def target_options(to: str) -> tuple[Option, ...]:
     """The options --to takes (the float dtypes: none)."""
     from .registry import file_target, target
@@ -215,8 +239,10 @@ _RUN = ("source", "search", "validate", "overwrite", "max_shard_size", "jobs")
 class Options:
     """What ``qconv convert`` / ``qconv.convert`` takes (``qconv.ConvertOptions``): ``to``, the target
     options it declares (each read as an attribute: ``opts.bits``; one it does not declare reads as its
-    declared default, None: "the source's"), and the run settings. Frozen; checked when made: an unknown
-    --to, an option the target does not take, or a value its check refuses is a UsageError (exit 2)."""
+    declared default, None: "the source's"), and the run settings. Frozen; checked when made: a ``to``
+    that is not a str naming a target, an option the target does not take given with any value but None
+    (its default included: what was given is refused, not what differs from a default), an argument of
+    the wrong type or a value its check refuses is a UsageError (exit 2)."""
 
     __slots__ = ("to", "source", "search", "validate", "overwrite", "max_shard_size", "jobs", "_values")
 
@@ -225,7 +251,10 @@ class Options:
                  **options):
         import warnings
 
-        check_choice("to", to, convert_targets())
+        check_name("to", to, convert_targets())
+        if source is not None and (not isinstance(source, str) or source not in source_families()):
+            raise UsageError(f"source {source!r} (the one method a verb converts: bnb8-to-gptq's 'bnb8') is "
+                             f"not one of {', '.join(source_families())}")
         for name, flag in (("search", search), ("validate", validate), ("overwrite", overwrite)):
             check_flag(name, flag)
         every = declared()
@@ -242,7 +271,7 @@ class Options:
             if name not in every:
                 raise UsageError(f"{name!r} is not an option of qconv.convert; the target options are "
                                  f"{', '.join(every)} (qconv.target_options())")
-            if name not in own and value is not None and all(value != o.default for o, _ in every[name]):
+            if name not in own and value is not None:      # given (None: not given), whatever its value
                 takes = ", ".join(o.flag for o in own.values())
                 raise UsageError(f"{every[name][0][0].flag}: --to {to} takes no such option; "
                                  + (f"its options are {takes}" if takes else "it takes no target options"))

@@ -9,7 +9,7 @@ import numpy as np
 from ...errors import CorruptCheckpoint, UnsupportedFormat
 from ..storage.checkpoint import Component
 from ..storage.tensor_io import FLOAT_CODES
-from . import structure
+from . import activation, structure
 from .detect import DECODED_METHODS, Detection, detect
 from .ir import FloatWeight, QuantTensor, nonfinite_weight
 from .layout import QuantModule, module_of
@@ -74,7 +74,7 @@ def require_decodable(comp: Component) -> Detection:
     return det
 
 
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERT_COUNT_KEYS = structure.EXPERT_COUNT_KEYS
 
 
 def _declared_experts(config) -> tuple[str, int] | None:
@@ -100,8 +100,11 @@ def _unaccounted_problem(name: str, tensors) -> str:
 
 
 def check_module(det: Detection, m: QuantModule, tensors) -> None:
-    """Refuse, from headers, a module that read_module could not decode exactly."""
+    """Refuse, from headers, a module that read_module could not decode exactly, and one whose activation
+    scales contradict its config or are not finite positive values (activation.check: whatever the
+    target, which may carry them or drop them)."""
     family(m.family).check(m, tensors, det.qc)
+    activation.check(m, tensors)
 
 
 def model_dtype(comp: Component, det: Detection) -> str:

@@ -55,6 +55,9 @@ class Family:
     # whether its modules hold codes (False: the "unquantized" family, a float model's Linears, which
     # data-free conversion quantizes and no config names)
     quantized: bool = True
+    # tensor-name endings only this format's quantization writes beyond detect.QUANT_LEAVES (MLX: .scales,
+    # .biases): in a checkpoint it claims, one no module of it accounts for is refused, never carried
+    state_leaves: tuple = ()
 
     def kernel_for(self, m: QuantModule, qc: Mapping | None):
         """The producer's kernel for this module (Kernel), or None."""

@@ -173,15 +173,22 @@ def disagreements(config: Mapping | None, shapes: Mapping[str, tuple]) -> list[D
     return c.found
 
 
-def _expert_key(cfg: Mapping) -> str | None:
-    return next((k for k in EXPERT_COUNT_KEYS if k in cfg), None)
+# a MoE layer's router: one row per routed expert (transformers' Qwen / DeepSeek / GLM mlp.gate, Mixtral's
+# block_sparse_moe.gate; mlx-lm keeps the names)
+ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
 
 
 def _experts(c: _Checker, cfg: Mapping, layers: dict, prefix: str) -> None:
-    key = _expert_key(cfg)
-    count = c.value(key) if key else None
-    if count is None:
-        return
+    """Every expert-count key the config holds (loaders read different ones: transformers' Mixtral
+    num_local_experts, Qwen's and mlx-lm's num_experts, DeepSeek's n_routed_experts) against every MoE
+    layer's experts (per-expert, stacked or fused) and its router's rows."""
+    for key in EXPERT_COUNT_KEYS:
+        count = c.value(key) if key in cfg else None
+        if count is not None:
+            _expert_count(c, key, count, layers, prefix)
+
+
+def _expert_count(c: _Checker, key: str, count: int, layers: dict, prefix: str) -> None:
     for i in sorted(layers):
         stems: dict[str, set[int]] = {}
         for leaf, shape in layers[i].items():
@@ -198,6 +205,11 @@ def _experts(c: _Checker, cfg: Mapping, layers: dict, prefix: str) -> None:
                                             + (f"expert {missing[0]} missing)" if missing else
                                                f"up to expert {max(have)})")))
                 return
+        if stems or any(_FUSED.match(leaf) and len(shape) == 3 for leaf, shape in layers[i].items()):
+            for router in ROUTERS:
+                shape = layers[i].get(router)
+                if shape is not None and len(shape) == 2:
+                    c.same(key, count, f"{prefix}layers.{i}.{router}", shape[0], "rows (one a routed expert)")
 
 
 def _attention_and_mlp(c: _Checker, layers: dict, prefix: str, hidden: int | None) -> None:
@@ -260,6 +272,9 @@ def logical_shapes(tensors: Mapping, modules) -> dict[str, tuple]:
         for t in m.weight_tensors + m.state_tensors:
             shapes.pop(t, None)
         if m.details.get("rows_of") is not None:
+            # a view of a stacked tensor's rows (MLX's switch_mlp experts): the per-expert Linear it is
+            if m.details.get("stacked"):
+                shapes[m.name + ".weight"] = (m.out_features, m.in_features)
             continue
         if m.experts:
             shapes[m.name] = (m.experts, m.out_features // m.experts, m.in_features)

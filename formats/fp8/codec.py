@@ -118,7 +118,9 @@ def quantize_e4m3(w: np.ndarray, block_rows: int, group_size: int) -> tuple[np.n
     import torch
 
     out, inp = w.shape
-    b0, b1 = block_rows, group_size
+    # a block larger than the weight is one block over its rows or columns (the same amax, so the same
+    # codes and scales): the padding is sized by the weight, never by the block
+    b0, b1 = max(1, min(block_rows, out)), max(1, min(group_size, inp))
     rt, ct = _ceil(out, b0), _ceil(inp, b1)
     padded = torch.zeros((rt * b0, ct * b1), dtype=torch.float32)
     padded[:out, :inp] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))

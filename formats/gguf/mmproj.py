@@ -35,6 +35,7 @@ from typing import Callable, Mapping
 from ...errors import CorruptCheckpoint, UnsupportedFormat
 from ..storage.checkpoint import Component
 from .arch import VISION_PREFIXES, is_vision
+from .clip_keys import checked
 
 PREPROCESSOR = "preprocessor_config.json"
 _TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}
@@ -639,8 +640,9 @@ def read_back(path: Path, model_type: str) -> ReadBack:
     """The mmproj file at path as the Hugging Face vision tower of a ``model_type`` model: its config
     from the clip keys, each tensor named as transformers names it and assembled as it holds it (q / k / v
     rows joined, the two temporal kernels stacked into the Conv3d), read when asked. The inverse of
-    plan(); refused, naming the file and the key or tensor, where the file is another projector's, lacks
-    a tensor the tower has, or holds one it has no place for."""
+    plan(); refused, naming the file and the key or tensor, where the file is another projector's, its
+    clip keys contradict its tensors (clip_keys.checked, before anything is sized by them), it
+    lacks a tensor the tower has, or holds one it has no place for."""
     import gguf
 
     from .header import read_header
@@ -658,6 +660,7 @@ def read_back(path: Path, model_type: str) -> ReadBack:
     hf_names, vision_of, text_type, processor = _BACK[model_type]
     stored = {t.name: t for t in header.tensors}
     shapes = {name: tuple(reversed(t.shape)) for name, t in stored.items()}
+    checked(meta, shapes, model.projector, path)      # the clip keys, before anything is sized by them
     vision = vision_of(meta, shapes, path)
     used, tensors, types = set(), {}, {}
     for rest in hf_names(vision):

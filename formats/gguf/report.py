@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ..core.layout import human_bytes, human_count, indent
 from .arch import BY_GGUF_NAME, structure_warnings
-from .header import count, summary
+from .header import count, read_header, summary
+from .clip_keys import PROJECTORS, clip_disagreements
 from .mmproj import beside
 from .split import read_gguf
 
@@ -15,12 +16,37 @@ from .split import read_gguf
 def describe(path) -> dict:
     header = read_gguf(path)
     g = summary(header)
+    warnings = structure_warnings_of(header)
     arch = BY_GGUF_NAME.get(header.metadata.get("general.architecture"))
     if arch is not None and arch.text_of:             # a VL text model: its mmproj file, read back with it
         pair = beside(Path(path))
         g["mmproj_beside"] = pair.name if pair else None
         g["mmproj_read_back"] = pair is not None and not arch.moe     # source.open_gguf: not for MoE yet
-    return {"kind": "gguf", "gguf": g, "warnings": structure_warnings_of(header)}
+        if pair is not None:
+            warnings += mmproj_warnings(pair)
+    elif header.metadata.get("general.architecture") == "clip":
+        warnings += clip_warnings(header)
+    return {"kind": "gguf", "gguf": g, "warnings": warnings}
+
+
+def mmproj_warnings(pair: Path) -> list[str]:
+    """The mmproj file beside a VL text GGUF, from its header: what every other verb refuses it for."""
+    from ...errors import QconvError
+
+    try:
+        header = read_header(pair)
+    except QconvError as exc:
+        return [f"{pair.name} cannot be read: {exc.problem}"]
+    return clip_warnings(header)
+
+
+def clip_warnings(header) -> list[str]:
+    """An mmproj file's clip keys against its tensors (clip_keys.clip_disagreements), from the header alone."""
+    if header.metadata.get("clip.projector_type") not in PROJECTORS:
+        return []
+    shapes = {t.name: tuple(reversed(t.shape)) for t in header.tensors}
+    return [f"{Path(header.path).name}: clip keys and tensors disagree: {d.message()}"
+            for d in clip_disagreements(header.metadata, shapes)]
 
 
 def structure_warnings_of(header) -> list[str]:

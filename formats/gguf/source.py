@@ -211,8 +211,10 @@ def vl_config(text: dict, meta: dict, back, where) -> dict:
     text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": list(sections[:3])}
     vision = back.vision_config
     if vision["out_hidden_size"] != text["hidden_size"]:
-        raise CorruptCheckpoint(f"its hidden size {text['hidden_size']} is not {back.path.name}'s "
-                                f"clip.vision.projection_dim {vision['out_hidden_size']}: not one model", file=where)
+        raise CorruptCheckpoint(f"its clip.vision.projection_dim {vision['out_hidden_size']} is not "
+                                f"{Path(where).name}'s {own}.embedding_length {text['hidden_size']} (llama.cpp feeds "
+                                f"the projector's output to the text model as its embeddings): not one model",
+                                file=back.path)
     if vl.deepstack and meta.get(f"{own}.n_deepstack_layers") != len(vision["deepstack_visual_indexes"]):
         raise CorruptCheckpoint(f"its {own}.n_deepstack_layers {meta.get(f'{own}.n_deepstack_layers')!r} is not the "
                                 f"{len(vision['deepstack_visual_indexes'])} deepstack layers of {back.path.name}: "

@@ -7,7 +7,7 @@ from . import header as mlx
 
 register(Family("mlx", "MLX", frozenset({"mlx"}), lambda method, qc: method == "mlx", mlx.find_modules,
                 mlx.check, "mlx.codec", mlx.settings, rows=1, scale_tensor=".scales", source_spec="source_spec",
-                symmetric=lambda m, qc: False))
+                symmetric=lambda m, qc: False, state_leaves=(".scales", ".biases")))
 register(Dialect("mlx", frozenset({"mlx"}), mlx.lint, refuse=mlx.refuse, bare=mlx.is_config))
 # integer codes kept with b = -s * z, scales and biases in a dtype that holds them exactly (plan), groups of
 # 32 / 64 / 128, mlx-lm's config keys (model_config) and stacked experts (arrange)

@@ -48,7 +48,8 @@ SETTING_KEYS = ("group_size", "bits", "mode")
 AFFINE = "affine"
 MXFP4 = "mxfp4"                      # e2m1 codes in groups of 32 under e8m0 scales (no biases)
 MXFP4_GROUP = 32
-DEFAULT_GROUP = 64                   # mode affine's group size where a config gives none (mlx nn.QuantizedLinear)
+DEFAULT_GROUP = 64                   # mode affine's group size where a config gives none or null (mx.quantize)
+DEFAULT_BITS = 4                     # modes affine's and mxfp4's bits where a config gives null (mx.quantize)
 # config keys of quantize_config.json / quantization_config dialects that are never MLX module paths
 _FOREIGN_KEYS = ("quant_method", "desc_act", "sym", "zero_point", "w_bit", "q_group_size", "version",
                  "checkpoint_format", "damp_percent", "true_sequential", "static_groups", "format")
@@ -59,12 +60,12 @@ def _int(value) -> bool:
 
 
 def is_config(qc) -> bool:
-    """Whether a quantization config without quant_method is MLX's: integer ``bits`` and ``group_size``,
-    perhaps ``mode``, and otherwise only module paths (dotted names, or lm_head) holding a dict or false;
+    """Whether a quantization config without quant_method is MLX's: ``bits`` and ``group_size`` (their
+    values checked by refuse), perhaps ``mode``, and otherwise only module paths (dotted names, or lm_head) holding a dict or false;
     AutoGPTQ's bare quantize_config.json (``desc_act``, ``sym``, ...) is not."""
     if not isinstance(qc, Mapping) or "quant_method" in qc or any(k in qc for k in _FOREIGN_KEYS):
         return False
-    if not (_int(qc.get("bits")) and _int(qc.get("group_size"))):
+    if "bits" not in qc and "group_size" not in qc:     # their values are refuse's to judge (null: the default)
         return False
     return all(k in SETTING_KEYS or (("." in k or k == "lm_head") and (isinstance(v, Mapping) or v is False))
                for k, v in qc.items())
@@ -81,8 +82,10 @@ def module_settings(qc: Mapping | None, name: str) -> dict | bool:
     if isinstance(own, Mapping):            # mlx-lm's mixed recipes write "group_size": null: the mode's default
         base.update({k: own[k] for k in SETTING_KEYS if k in own})
     base["mode"] = base.get("mode") or AFFINE
-    if base["group_size"] is None and base["mode"] == AFFINE:
-        base["group_size"] = DEFAULT_GROUP
+    if base["group_size"] is None:          # null: the mode's default (mx.quantize's)
+        base["group_size"] = MXFP4_GROUP if base["mode"] == MXFP4 else DEFAULT_GROUP if base["mode"] == AFFINE else None
+    if base["bits"] is None and base["mode"] in (AFFINE, MXFP4):
+        base["bits"] = DEFAULT_BITS
     return base
 
 
@@ -124,6 +127,13 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
         if len(shape) not in (2, 3):
             problems.append(f"weight has shape {shape}, expected [out, in*bits/32] (or [experts, out, ...])")
             shape = [0, 0]
+        elif experts and ".switch_mlp." not in prefix:
+            stacked = prefix.rpartition(".")[0].endswith(".experts")    # mlx-lm's gpt-oss SwitchGLU
+            (unsupported if stacked else problems).append(
+                f"weight is stacked {shape} outside a switch_mlp block: "
+                + ("qconv reads mlx-lm's stacked experts as SwitchLinear under switch_mlp (Qwen, Mixtral, "
+                   "DeepSeek), not this model's" if stacked else
+                   "mlx-lm stacks experts only under switch_mlp (SwitchLinear); a Linear holds [out, in*bits/32]"))
         out, words = shape[-2], shape[-1]
         inp = words * 32 // bits if (words * 32) % bits == 0 else 0
         if (words * 32) % bits:
@@ -213,10 +223,16 @@ def lint(qc: Mapping, modules: list[QuantModule], all_modules: set[str], comp, w
 
 
 def refuse(qc: Mapping) -> tuple[type, str] | None:
-    """A config under which nothing can be decoded: defaults that are not integers."""
+    """A config under which nothing can be decoded: defaults that are neither positive integers nor null
+    (null: the mode's default, as mx.quantize takes it), named by key."""
     for key in ("bits", "group_size"):
-        if not _int(qc.get(key)) or qc.get(key) <= 0:
-            return CorruptCheckpoint, f"quantization {key} is {qc.get(key)!r}, not a positive integer"
+        value = qc.get(key)
+        if value is not None and (not _int(value) or value <= 0):
+            return CorruptCheckpoint, (f"quantization.{key} is {value!r}, not a positive integer or null: qconv "
+                                       f"reads each module's {key} from it where the config names none")
+    mode = qc.get("mode")
+    if mode is not None and not isinstance(mode, str):
+        return CorruptCheckpoint, f"quantization.mode is {mode!r}, not a mode's name"
     return None
 
 

@@ -159,6 +159,7 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
     qconv does not decode."""
     cfg = parse_config(qc)
     algo, group = cfg["quant_algo"], cfg["group_size"]
+    declared = declared_activations(qc, algo)
     modules = []
     for name, info in tensors.items():
         if not name.endswith(".weight") or len(info.shape) != 2:
@@ -204,10 +205,32 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
         if details["static_activations"]:       # core/activation.py: amax / 448 (FP8), amax / (448 * 6) (NVFP4)
             details["activation"] = {"scheme": "fp8" if algo == "FP8" else "nvfp4",
                                      "tensor": prefix + ".input_scale", "kind": "multiplier"}
+        if declared is not None:
+            details["activations"] = ({"static": True, "tensor": prefix + ".input_scale", "by": declared[1],
+                                       "one": True} if declared[0] else
+                                      {"static": False, "activations": declared[2], "by": declared[1]})
         modules.append(QuantModule(prefix, "modelopt", scheme, bits, out, inp, (name,), state,
                                    group_size=group if scheme == "e2m1" and group else -1, details=details,
                                    problems=tuple(unsupported + problems)))
     return modules
+
+
+def declared_activations(qc: Mapping | None, algo) -> tuple[bool, str, str] | None:
+    """(static, where it is said, what they are) of every module's activations (core/activation.py,
+    details["activations"]), None for an algo qconv does not decode. ModelOpt's FP8 and NVFP4 are W8A8
+    and W4A4 with a static per-tensor ``input_scale`` on every quantized Linear (vLLM's
+    ModelOptFp8LinearMethod and ModelOptNvFp4LinearMethod register one for each, whatever the files
+    hold), unless config.json's config_groups say input_activations null (or dynamic)."""
+    if algo not in DECODED:
+        return None
+    groups = (qc or {}).get("config_groups") if not is_side_config(qc) else None
+    acts = [g["input_activations"] for g in groups.values() if isinstance(g, Mapping) and "input_activations" in g] \
+        if isinstance(groups, Mapping) else []      # a group that does not say is the algo's
+    if acts and not any(isinstance(a, Mapping) and a.get("dynamic") is False for a in acts):
+        dynamic = any(isinstance(a, Mapping) for a in acts)
+        return (False, f"config.json's config_groups (quant_algo {algo}): input_activations {'dynamic' if dynamic else 'null'}",
+                "dynamic" if dynamic else "unquantized")
+    return True, f"quant_algo {algo}, a static per-tensor input_scale on every quantized Linear", "static"
 
 
 check = refuse_problems      # the first problem find listed, naming the file and the weight

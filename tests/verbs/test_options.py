@@ -39,7 +39,8 @@ def test_every_declared_option_is_a_flag_a_keyword_and_listed(capsys):
     listed = qconv.target_options()
     for name, decls in declared().items():
         assert decls[0][0].flag.split("/")[0] in out, name
-        assert params[name].kind is params[name].KEYWORD_ONLY and params[name].default == decls[0][0].default
+        assert params[name].kind is params[name].KEYWORD_ONLY and params[name].default is None    # not given
+        assert [d["default"] for d in listed[name]] == [o.default for o, _ in decls]
         assert sorted(t for d in listed[name] for t in d["targets"]) == sorted(t for _, names in decls for t in names)
     for t in [t for t in targets() if not t.internal] + list(file_targets()):
         assert list(qconv.target_options(t.name)) == [o.name for o in t.options], t.name
@@ -94,8 +95,11 @@ def test_the_model_checks_names_and_values():
         Options("gguf", bits=5)
     with pytest.raises(UsageError, match=r"group_size \(--group-size\) 0 is not a group size"):
         Options("gptq", group_size=0)
-    # an option another target declares, at its default, is not "given" (scripts pass every keyword)
-    assert Options("gptq", gguf_asym="q5_0", gguf_float=False).bits is None
+    # an option another target declares is refused when given, its default value included (issue 47);
+    # None is "not given" (a script may pass every keyword as None)
+    with pytest.raises(UsageError, match="--gguf-asym: --to gptq takes no such option"):
+        Options("gptq", gguf_asym="q5_0", gguf_float=False)
+    assert Options("gptq", gguf_asym=None, gguf_float=None).bits is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opts = Options("gguf", bits=4, gguf_asym="q4_1")

@@ -165,8 +165,8 @@ def _edit_mmproj(path, drop=None, keys=None):
      ("mmproj-m.gguf", "clip.projector_type 'qwen3vl_merger' is not 'qwen2.5vl_merger'")),
     ("a missing tensor", dict(drop="v.blk.1.attn_k.weight"), 4,
      ("mmproj-m.gguf", "has no v.blk.1.attn_k.weight", "model.visual.blocks.1.attn.qkv.weight")),
-    ("not one model", dict(keys={"clip.vision.projection_dim": 128}), 4,
-     ("m.gguf", "clip.vision.projection_dim 128", "not one model")),
+    ("a lying key", dict(keys={"clip.vision.projection_dim": 128}), 4,      # tests/safety/test_mmproj_keys.py
+     ("mmproj-m.gguf", "clip.vision.projection_dim is 128", "mm.2.weight")),
 ])
 def test_a_pair_that_is_not_one_model_is_refused(tmp_path, case, edit, code, needles):
     _, gguf_file = _pair(tmp_path, "qwen25vl-bf16", "--gguf-float")
