@@ -301,13 +301,17 @@ def check(config: Mapping | None, shapes: Mapping[str, tuple], *, file, names: M
           source: str = "config.json") -> None:
     """Refuse (CorruptCheckpoint, naming FILE, the tensor and the key) a config whose structural keys the
     tensors contradict: no loader builds such a model, and nothing qconv writes may be sized by it."""
+    refuse(disagreements(config, shapes), file=file, whose=f"{source}'s", name=key_namer(config, names),
+           why=f"loaders build the model from {source}, so no loader reads these tensors into it; nothing written")
+
+
+def refuse(found: list[Disagreement], *, file, whose: str, why: str, name=lambda key: key) -> None:
+    """Refuse (CorruptCheckpoint naming FILE and the tensor) the first of FOUND, counting the others:
+    "WHOSE <key> is <value>, but <tensor> has ...: WHY"."""
     from ...errors import CorruptCheckpoint
 
-    found = disagreements(config, shapes)
     if found:
         d = found[0]
         more = f" (and {len(found) - 1} more such disagreements)" if len(found) > 1 else ""
-        raise CorruptCheckpoint(f"{source}'s {d.message(key_namer(config, names), tensor_named=True)}{more}: "
-                                f"loaders build the model "
-                                f"from {source}, so no loader reads these tensors into it; nothing written",
-                                file=file, tensor=d.tensor)
+        raise CorruptCheckpoint(f"{whose} {d.message(name, tensor_named=True)}{more}: {why}", file=file,
+                                tensor=d.tensor)

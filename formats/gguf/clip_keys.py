@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 from typing import Mapping
 
-from ...errors import CorruptCheckpoint, UnsupportedFormat
-from ..core.structure import Disagreement
+from ...errors import UnsupportedFormat
+from ..core.structure import Disagreement, refuse
 from .header import Elided
 
 _INT_LIMIT = 1 << 31          # what GGUF's u32 keys and llama.cpp's int32 hparams hold
@@ -167,13 +167,9 @@ def clip_disagreements(meta: Mapping, shapes: Mapping[str, tuple]) -> list:
 def checked(meta: Mapping, shapes: Mapping[str, tuple], projector: str, path: Path) -> None:
     """read_back's refusal of an mmproj file whose clip keys contradict its tensors (exit 4, naming the
     first key and tensor), or that says llama.cpp computes another activation than the model's (exit 5)."""
-    found = clip_disagreements(meta, shapes)
-    if found:
-        d = found[0]
-        more = f" (and {len(found) - 1} more such disagreements)" if len(found) > 1 else ""
-        raise CorruptCheckpoint(f"its {d.message(tensor_named=True)}{more}: llama.cpp builds the vision tower "
-                                f"from the clip keys (and qconv its vision_config), so no loader builds this one; "
-                                f"nothing written", file=path, tensor=d.tensor)
+    refuse(clip_disagreements(meta, shapes), file=path, whose="its",
+           why="llama.cpp builds the vision tower from the clip keys (and qconv its vision_config), so no loader "
+               "builds this one; nothing written")
     own, other = ("clip.use_gelu", "clip.use_silu") if projector == "qwen3vl_merger" else \
         ("clip.use_silu", "clip.use_gelu")
     if meta.get(own) is not True or meta.get(other):
