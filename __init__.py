@@ -13,7 +13,7 @@ Importing qconv loads neither torch nor numpy.
 
 __version__ = "0.1.0"
 
-from . import convert  # noqa: E402  the package, callable as the verb (convert/__init__.py)
+from . import convert  # noqa: E402  the package, callable as the verb (api.py)
 from .api import (ConvertOptions, ConvertResult, DequantizeOptions, DequantizeResult, InspectOptions,  # noqa: E402
                   InspectResult, ProgressEvent, ValidateOptions, ValidateResult, bnb8_to_gptq, dequantize,
                   inspect, target_options, targets, to_json, validate)

@@ -25,12 +25,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from . import convert as _convert_package       # the package; api.convert below is the verb it is called as
 from .errors import CheckFailed, UsageError, ValidationFailed
-from .formats.core.options import DEFAULT_MAX_SHARD, FLOAT_TARGETS, Options, convert_targets, declared, parse_size
+from .formats.core.options import DEFAULT_MAX_SHARD, FLOAT_TARGETS, parse_size
+from .formats.core.request import Options, convert_targets, declared
 from .formats.core.options import check_flag as _flag, check_int as _int_in, check_name as _name
 from .formats.core.options import check_jobs as _jobs, what as _what
 from .progress import ProgressCallback, ProgressEvent, reporting
@@ -96,7 +99,7 @@ class InspectOptions:
 
 
 # What ``qconv convert`` / ``qconv.convert`` takes: the one options model every writer reads
-# (formats/core/options.Options): ConvertOptions(to, *, validate, overwrite, max_shard_size, jobs, search,
+# (formats/core/request.Options): ConvertOptions(to, *, validate, overwrite, max_shard_size, jobs, search,
 # **the target's options). None means "the source's" (see ``qconv convert --help``).
 ConvertOptions = Options
 
@@ -295,6 +298,20 @@ def _convert_signature():
 
 
 convert.__signature__ = _convert_signature()
+
+
+class _CallablePackage(types.ModuleType):
+    """The package ``qconv.convert`` as the verb: a verb and the package that implements it share the name
+    (convert/__init__.py says why), so the package is made callable here, where the verb is, and imports
+    nothing above it."""
+
+    __signature__ = convert.__signature__
+
+    def __call__(self, src, dst, *, to, **options):
+        return convert(src, dst, to=to, **options)
+
+
+_convert_package.__class__ = _CallablePackage
 
 
 def bnb8_to_gptq(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, scale_dtype: str | None = None,

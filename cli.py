@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -16,7 +17,9 @@ from click.core import ParameterSource
 
 from . import __version__, api
 from .errors import EXIT_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, CheckFailed, QconvError
-from .formats.core.options import SCALE_DTYPE, declared
+from .formats.core.options import SCALE_DTYPE
+from .formats.core.request import declared
+from .formats.core.registry import dialects, families
 from .progress import ProgressEvent
 
 EXIT_CODES_HELP = """\b
@@ -33,11 +36,29 @@ Exit codes:
 """
 
 
-@click.group(epilog=EXIT_CODES_HELP, context_settings={"help_option_names": ["-h", "--help"]})
+def _formats_help() -> str:
+    """`qconv --help`'s formats, from the registry, so it names every one qconv holds: the formats it reads
+    (each quantized family's report name, and a config language reported under its own name, auto-round,
+    after the family it decodes to) and the --to targets it writes, quantized, file and float."""
+    reads: list[str] = []
+    for f in families():
+        if f.quantized:
+            reads += [f.method] + sorted(name for d in dialects() for name in d.reported_as_itself
+                                         if name in f.config_methods and name not in reads)
+
+    def paragraph(text: str) -> str:          # unwrapped by click (\b), never broken at a name's hyphen
+        return "\b\n" + textwrap.fill(text, 76, subsequent_indent="  ", break_on_hyphens=False,
+                                       break_long_words=False)
+
+    return (paragraph(f"Reads float checkpoints and {', '.join(reads)}.") + "\n\n"
+            + paragraph(f"Writes (convert --to): {', '.join(api.targets())}."))
+
+
+@click.group(help="Inspect, convert, dequantize and validate quantized LLM/VLM checkpoints.\n\n" + _formats_help(),
+             epilog=EXIT_CODES_HELP, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="qconv")
 def cli() -> None:
-    """Inspect, convert, dequantize and validate quantized LLM/VLM checkpoints
-    (bitsandbytes int8/4-bit, GPTQ, auto-round, compressed-tensors, AWQ)."""
+    pass
 
 
 @cli.command("inspect", epilog=EXIT_CODES_HELP)
@@ -124,7 +145,7 @@ _JOBS = click.option("--jobs", type=click.IntRange(min=1), default=None, metavar
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def dequantize_cmd(src: Path, dst: Path, dtype: str, overwrite: bool, max_shard_size: str, jobs: int | None,
                    as_json: bool) -> int:
-    """Write SRC (any format qconv reads: bitsandbytes, GPTQ, auto-round, compressed-tensors, AWQ) to
+    """Write SRC (any format qconv reads: `qconv --help` lists them) to
     DST as a standard unquantized folder: sharded safetensors with an index, config.json without
     quantization_config, and every other file copied. Pipelines: each quantized component is dequantized, the rest copied.
 

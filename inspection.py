@@ -114,8 +114,6 @@ def inspect_component(comp: Component) -> dict:
     if experts:
         report["experts"] = experts
     report["parameter_dtypes"] = dict(sorted(parameter_dtypes.items()))
-    if method == METHOD_NAMES["bnb8"]:
-        report["int8_parameters"] = quantized_parameters.get("int8", 0)
     report.update({
         "tensor_dtypes": dict(sorted(tensor_dtypes.items())),
         "quantized_modules": {s: quantized_modules[s] for s in schemes},

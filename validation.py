@@ -68,7 +68,7 @@ from .formats.core.detect import Detection
 from .formats.core.experts import is_fused_name, split_module, split_names, why_not_split
 from .formats.core.ir import QuantTensor
 from .formats.core.layout import QuantModule, natural_key
-from .formats.core.reader import model_dtype, read_module, require_decodable
+from .formats.core.reader import WINDOW_ELEMENTS, model_dtype, read_module, require_decodable
 from .formats.core.registry import family
 from .formats.storage.safetensors_header import DTYPES, FLOAT_DTYPES, TensorInfo
 from .formats.storage.tensor_io import read_array, to_float32
@@ -77,7 +77,6 @@ ULP = {"F16": 2.0**-11, "BF16": 2.0**-8, "F32": 2.0**-24, "F64": 2.0**-53}
 MAX_ROWS = 4096            # sampled rows: larger layers are checked on evenly spread row windows
 WINDOWS = 8
 BLOCK_ELEMENTS = 1 << 22   # all rows: weights per block (16 MiB of float32 per side)
-WINDOW_ELEMENTS = 1 << 24  # weights of a layer read at once (16 MiB of codes per side), in blocks
 WEIGHT_SLACK = 2.0**-21    # float32 roundings of the scale products on both sides (a few 2^-24)
 PREFETCH = 2               # layers read and unpacked ahead at most, on as many reader threads
 READ_AHEAD = 1 << 27       # bytes of codes held for layers read ahead and being compared (beyond one ahead)

@@ -5,27 +5,6 @@ writing verb, staged atomically by formats/storage/staging.py) and parallel.py (
 
 This package is also the Python API's verb ``qconv.convert(src, dst, to=..., ...)`` (api.convert): a verb
 and the package that implements it share the name ``qconv.convert``, and a package imported after a
-function of its name would replace that function on ``qconv``. So the package itself is callable, and
-every import path into it (``qconv.convert.engine``, mock targets, ``import qconv.convert.x as y``) works
-as for any package."""
-
-import sys
-import types
-
-
-class _CallablePackage(types.ModuleType):
-    def __call__(self, src, dst, *, to, **options):
-        from ..api import convert
-
-        return convert(src, dst, to=to, **options)
-
-    @property
-    def __signature__(self):
-        import inspect
-
-        from ..api import convert
-
-        return inspect.signature(convert)
-
-
-sys.modules[__name__].__class__ = _CallablePackage
+function of its name would replace that function on ``qconv``. So the package itself is callable (api.py
+makes it so, where the verb is: the package imports nothing above it), and every import path into it
+(``qconv.convert.engine``, mock targets, ``import qconv.convert.x as y``) works as for any package."""

@@ -37,7 +37,8 @@ from ..formats.storage.checkpoint import Component
 from ..formats.storage.tensor_io import FLOAT_NAMES, encode_float, finite_scales, read_array, to_float32
 from .dequantize import dequantize_component
 from .engine import DEFAULT_MAX_SHARD, OutTensor, made_warnings, passthrough, run, write_component
-from ..formats.core.options import FLOAT_TARGETS, Options
+from ..formats.core.options import FLOAT_TARGETS
+from ..formats.core.request import Options
 from .parallel import Replan
 from ..formats.core.requantize import combined, error_sums, layer_error_of, requantize, unmeasurable, unrepresentable
 from ..formats.core.source import (check_source, exact_rows, exact_weights, linear_modules, refuse,

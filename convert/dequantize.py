@@ -16,11 +16,10 @@ from ..errors import UnsupportedFormat
 from ..formats.storage.checkpoint import Component
 from ..formats.core.detect import Detection, without_quantization
 from ..formats.core.layout import QuantModule, natural_key
-from ..formats.core.reader import model_dtype, read_module, require_decodable
+from ..formats.core.reader import WINDOW_ELEMENTS, model_dtype, read_module, require_decodable
 from ..formats.core.source import finite_rows, where_of
 from ..formats.core.registry import family
 from ..formats.storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, all_finite, encode_float
-from ..validation import WINDOW_ELEMENTS   # codes of a module read at once, as validate reads them
 from .engine import DEFAULT_MAX_SHARD, OutTensor, made_warnings, ordered, passthrough, run, write_component
 from .parallel import Replan
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from ...errors import CorruptCheckpoint, NotStorable, UnsupportedFormat
-from ..core.layout import QuantModule, common, int_scheme, natural_key, not_converted_by
+from ..core.layout import QuantModule, common, int_scheme, natural_key, not_converted_by, not_converted_list
 from ..gptq import header as gptq
 from ..gptq.header import AUTO_ROUND_AWQ, is_auto_round
 from ..storage.safetensors_header import DTYPES, TensorInfo
@@ -131,13 +131,7 @@ def parse_config(qc: Mapping | None) -> dict:
     bits = out["bits"]
     if bits is not None and bits != BITS:
         unsupported.append(f"config asks for {bits}-bit codes; AWQ GEMM packs 4-bit codes only")
-    skip = qc.get("modules_to_not_convert")
-    if skip is None:
-        skip = []
-    elif not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
-        problems.append(f"modules_to_not_convert is {skip!r}, expected a list of module names")
-        skip = []
-    out["modules_to_not_convert"] = list(skip)
+    out["modules_to_not_convert"] = not_converted_list(qc.get("modules_to_not_convert"), problems)
     out["unsupported"] = unsupported
     out["problems"] = problems
     return out

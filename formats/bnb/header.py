@@ -225,10 +225,13 @@ def parse_config(qc: Mapping) -> dict:
 
 
 def int8_settings(qc: Mapping | None, modules: list[QuantModule]) -> dict:
-    """inspect's settings of an LLM.int8 checkpoint."""
+    """inspect's settings of an LLM.int8 checkpoint: the keys of the hand-made report users already write
+    (threshold, skip_modules, linear8bit_modules, int8_parameters: out x in of the int8 Linears)."""
     cfg = parse_config(qc) if qc else {"threshold": None, "skip_modules": None}
+    int8 = [m for m in modules if m.scheme == "int8"]
     return {"threshold": cfg["threshold"], "skip_modules": cfg["skip_modules"],
-            "linear8bit_modules": [m.name for m in modules if m.scheme == "int8"]}
+            "linear8bit_modules": [m.name for m in int8],
+            "int8_parameters": sum(m.logical_parameters for m in int8)}
 
 
 def four_bit_settings(qc: Mapping | None, modules: list[QuantModule]) -> dict:

@@ -610,13 +610,6 @@ def _block_structure(value) -> list[int] | None:
     return None
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _float_module(prefix: str, tensors: Mapping[str, TensorInfo], p: _Problems, group_name, args: Mapping,
                   fmt: str, version) -> QuantModule:
     """One module of a floating-point format (float-quantized FP8, nvfp4- / mxfp4-pack-quantized FP4; the
@@ -696,7 +689,7 @@ def _float_module(prefix: str, tensors: Mapping[str, TensorInfo], p: _Problems, 
                 p.corrupt(scale_name, f"weight_scale has shape {shape}; groups of {group_size} over a {out} x "
                                       f"{inp} weight give {want}")
         elif code is not None and strategy == "tensor":
-            if _numel(shape) != 1:
+            if math.prod(shape) != 1:
                 p.corrupt(scale_name, f"weight_scale has shape {shape}; strategy 'tensor' has one scale")
         elif code is not None and strategy == "channel":
             if shape != [out, 1]:

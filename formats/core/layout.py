@@ -142,6 +142,17 @@ def common(values):
     return values.pop() if len(values) == 1 else (sorted(values) if values else None)
 
 
+def not_converted_list(skip, problems: list[str]) -> list[str]:
+    """A config's modules_to_not_convert as read: its module names, [] when absent (None); anything but a
+    list of names is appended to ``problems`` and read as []."""
+    if skip is None:
+        return []
+    if not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
+        problems.append(f"modules_to_not_convert is {skip!r}, expected a list of module names")
+        return []
+    return list(skip)
+
+
 def not_converted_by(name: str, patterns) -> str | None:
     """The modules_to_not_convert entry that keeps ``name`` unquantized in some loader, if any: vLLM
     matches by substring (``quant_utils.is_layer_skipped``); transformers by prefix up to a module

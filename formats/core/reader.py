@@ -121,6 +121,11 @@ def model_dtype(comp: Component, det: Detection) -> str:
     return "float16"
 
 
+# Weights of a layer read at once (16 MiB of codes per side): the window of rows validate and dequantize
+# read a module in (read_module with rows), so memory is bounded by a window, not by the layer.
+WINDOW_ELEMENTS = 1 << 24
+
+
 def read_module(comp: Component, det: Detection, m: QuantModule, dtype: str,
                 rows: tuple[int, int] | None = None) -> QuantTensor:
     """The module (or its output rows r0:r1, see Family.read) as a QuantTensor; a split expert

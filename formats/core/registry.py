@@ -205,7 +205,7 @@ class ModuleContext:
     module: QuantModule              # the source module, from headers and config
     spec: object                     # the QuantSpec it is written with (Target.fit, or the caps negotiation)
     reason: str | None               # why it is requantized (None: its codes are kept)
-    request: object                  # the conversion's options (core/options.Options: to, and the options the
+    request: object                  # the conversion's options (core/request.Options: to, and the options the
                                      # target declares: bits, group_size, sym, scale_dtype, block_size, ...)
     dtype: str                       # the weight's original dtype ("float16", ...), as its QuantTensor has it
     encode: Callable                 # (settings) -> {leaf: (dtype, array)}: the module read and encoded with

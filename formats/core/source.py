@@ -19,7 +19,8 @@ from .experts import is_fused_name, split_module, why_not_split
 from .ir import FloatSpec, FloatWeight, QuantSpec
 from .layout import UNQUANTIZED, QuantModule, block_prefix, natural_key
 from .minifloat import BOOKS
-from .options import FLOAT_TARGETS, Options
+from .options import FLOAT_TARGETS
+from .request import Options
 from .registry import family as registered_family, target as registered_target
 from .requantize import ExactRows
 from .threads import on_cores

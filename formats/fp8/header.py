@@ -33,10 +33,11 @@ An e4m3 tensor no module claims (another fused layout) is refused by every writi
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 from ...errors import CorruptCheckpoint, NotStorable, UnsupportedFormat
-from ..core.layout import QuantModule, common, not_converted_by, refuse_problems
+from ..core.layout import QuantModule, common, not_converted_by, not_converted_list, refuse_problems
 from ..storage.safetensors_header import DTYPES, TensorInfo
 
 WEIGHT_DTYPE = "F8_E4M3"
@@ -80,15 +81,9 @@ def parse_config(qc: Mapping | None) -> dict:
         unsupported.append(f"modules_to_convert is {convert!r}: FP8 embeddings (transformers' FP8Embedding) "
                            f"are not a layout qconv reads")
     skip = qc.get("modules_to_not_convert")
-    if skip is None:
-        skip = qc.get("ignored_layers")
-    if skip is None:
-        skip = []
-    elif not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
-        problems.append(f"modules_to_not_convert is {skip!r}, expected a list of module names")
-        skip = []
+    skip = not_converted_list(qc.get("ignored_layers") if skip is None else skip, problems)
     return {"block": block, "scale_fmt": scale_fmt, "activation_scheme": activation,
-            "modules_to_not_convert": list(skip), "unsupported": unsupported, "problems": problems}
+            "modules_to_not_convert": skip, "unsupported": unsupported, "problems": problems}
 
 
 def _fused_scale(tensors: Mapping[str, TensorInfo], prefix: str, out: int):
@@ -116,7 +111,7 @@ def _scale_problems(scale: TensorInfo, cfg: dict, block, rows: int, inp: int, le
         if shape != want:
             problems.append(f"{name} has shape {shape}; weight_block_size {block} over "
                             f"{' x '.join(map(str, lead + [rows, inp]))} weights gives {want}")
-    elif _numel(shape) != max(1, _numel(lead)) or (lead and shape[:1] != lead):
+    elif math.prod(shape) != max(1, math.prod(lead)) or (lead and shape[:1] != lead):
         problems.append(f"{name} has shape {shape} but the config has no weight_block_size (one scale per "
                         f"tensor{' per expert' if lead else ''})")
     return unsupported, problems
@@ -186,13 +181,6 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
                                    group_size=block[1] if block else -1, details=details,
                                    problems=tuple(unsupported + problems), experts=experts))
     return modules
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 check = refuse_problems      # the first problem find listed, naming the file and the weight

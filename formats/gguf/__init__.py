@@ -12,5 +12,5 @@ register(Family("gguf", "GGUF", frozenset({"gguf"}), lambda method, qc: method =
 register(Dialect("gguf", frozenset({"gguf"}), gguf.lint))
 register_container(Container("gguf", gguf.looks_like_gguf, lazy("gguf.source", "open_gguf"),
                              lazy("gguf.report", "describe"), lazy("gguf.report", "render")))
-# `--to gguf`: one llama.cpp file (writer.py), its options (core/options.py's fields) and their values checked
+# `--to gguf`: one llama.cpp file (writer.py), its options (core/request.py's Options) and their values checked
 register_file_target(FileTarget("gguf", "gguf", gguf.WRITER_OPTIONS, lazy("gguf.writer", "convert_to_gguf")))

@@ -263,6 +263,33 @@ def hparams(config: Mapping, arch: Arch, where) -> list[tuple[str, str, object]]
     return kv
 
 
+def add_key(writer, key: str, kind, value) -> None:
+    """One (gguf key, value type, value) of hparams(), the tokenizer's or the mmproj's keys (a GGUF source's
+    own field: its (type, sub type) as kind) added to a gguf-py writer."""
+    import gguf
+
+    if isinstance(kind, tuple):                        # a GGUF source's own field, in its own types
+        writer.add_key_value(key, value, kind[0], sub_type=kind[1])
+    elif kind == "str":
+        writer.add_string(key, value)
+    elif kind == "u32":
+        writer.add_uint32(key, value)
+    elif kind == "f32":
+        writer.add_float32(key, value)
+    elif kind == "bool":
+        writer.add_bool(key, value)
+    elif kind == "str[]":
+        writer.add_array(key, value)
+    elif kind == "i32[]":
+        writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+    elif kind == "f32[]":
+        writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32)
+    elif kind == "bool[]":
+        writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL)
+    else:
+        raise AssertionError(kind)
+
+
 def heads_of(config: Mapping, hf_name: str) -> int | None:
     """The head count llama.cpp's permutation of this tensor's rows uses (None: not q / k)."""
     config = text_config(config)

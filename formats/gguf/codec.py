@@ -23,14 +23,17 @@ tests/formats/gguf/test_gguf_writer.py):
 The only rounding is d (and Q4_1's m) to float16; every float32 product d * (q - z) then equals the
 source's (q - z) * s exactly when d == s. ``gguf_type`` says which type a module gets and why its codes
 cannot be kept where they cannot; ``encode`` makes the blocks; ``decode`` reads them back as a QuantTensor.
+A float tensor is stored in the type chosen through ``Rounding`` (the model's writer.py and the mmproj's
+mmproj.py), which reports what that rounded and refuses what it would make infinite.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ...errors import NotStorable
-from ..core.ir import QuantSpec, QuantTensor
+from ...errors import CorruptCheckpoint, NotStorable, UnsupportedFormat
+from ..core.ir import FloatSpec, FloatWeight, QuantSpec, QuantTensor
+from ..storage.tensor_io import encode_float, read_array, to_float32
 from .header import GGML_TYPES
 
 QK = 32
@@ -218,6 +221,36 @@ def decode(blocks: np.ndarray, type_name: str, dtype: str) -> QuantTensor:
                        zeros=np.full((rows, nb), zero, np.uint8))
 
 
+_WIDER = {"F16": "bf16 or f32", "BF16": "f32"}
+
+
+class Rounding:
+    """A float tensor converted to the type chosen, and what the conversion changed, for the summary:
+    how many values are not exactly representable and the largest relative error among them. A finite
+    value the type would make infinite (float16's 65504) is refused, never written as inf."""
+
+    def __init__(self, code: str, tensor: str, file, hint: str | None = None):
+        self.code, self.tensor, self.file = code, tensor, file
+        self.hint = hint or f"--gguf-float-type {_WIDER.get(code, 'f32')}"
+        self.values, self.max_rel_error = 0, 0.0
+
+    def encode(self, x32: np.ndarray) -> np.ndarray:
+        x32 = np.ascontiguousarray(x32, np.float32)
+        stored = encode_float(x32, self.code)
+        back = to_float32(stored, self.code)
+        same = (back == x32) | (np.isnan(back) & np.isnan(x32))
+        if not same.all():
+            over = np.isfinite(x32) & ~np.isfinite(back)
+            if over.any():
+                raise UnsupportedFormat(f"holds {float(x32[over][0]):.6g}, beyond {self.code}'s range (it would be "
+                                        f"infinite): use {self.hint}", file=self.file,
+                                        tensor=self.tensor)
+            x = x32[~same].astype(np.float64)
+            self.values += x.size
+            self.max_rel_error = max(self.max_rel_error, float((np.abs(back[~same] - x) / np.abs(x)).max()))
+        return stored
+
+
 def row_step(m) -> int:
     """A row window's ends: any row, but a permuted llama q / k is read whole (its rows interleave)."""
     return m.out_features if m.details.get("heads") else 1
@@ -229,8 +262,6 @@ def decode_float(blocks: np.ndarray, type_name: str, info) -> np.ndarray:
     to NaN or infinity is refused, naming the tensor."""
     import gguf
 
-    from ...errors import CorruptCheckpoint
-
     with np.errstate(over="ignore", invalid="ignore"):
         w = np.asarray(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name]), np.float32)
     if not np.all(np.isfinite(w)):
@@ -241,9 +272,6 @@ def decode_float(blocks: np.ndarray, type_name: str, info) -> np.ndarray:
 def read(m, tensors, qc, dtype: str, rows: tuple[int, int] | None = None):
     """A GGUF source's module (or rows r0:r1 of it) as a QuantTensor, llama's q / k rows back in Hugging
     Face order; a type with no exact form here (header.float_spec) as its decoded weights (a FloatWeight)."""
-    from ..core.ir import FloatSpec, FloatWeight
-    from ..storage.tensor_io import read_array
-
     info = tensors[m.weight_tensors[0]]
     heads = m.details.get("heads")
     r0, r1 = rows or (0, m.out_features)

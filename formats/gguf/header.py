@@ -187,7 +187,7 @@ def _bits(value):
     return value
 
 
-# --to gguf's options (writer.py reads them; core/options.py builds the flags and keywords from these)
+# --to gguf's options (writer.py reads them; core/request.py builds the flags and keywords from these)
 WRITER_OPTIONS = (
     Option("bits", "--bits", "gguf: the block type every requantized module becomes: 8 (Q8_0) or 4 (Q4_0); "
            "default: Q8_0 from 8-bit and float sources, Q4_0 from 4-bit and below.", _bits, number=True),

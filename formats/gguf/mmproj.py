@@ -25,6 +25,7 @@ refused naming the file and the key or tensor. Tensors are then read and written
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -32,10 +33,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ...errors import CorruptCheckpoint, UnsupportedFormat
+from ...errors import CorruptCheckpoint, NotStorable, UnsupportedFormat, ValidationFailed
 from ..storage.checkpoint import Component
-from .arch import VISION_PREFIXES, is_vision
+from ..storage.safetensors_header import TensorInfo
+from .arch import VISION_PREFIXES, add_key, is_vision
 from .clip_keys import checked
+from .header import read_header
+from .split import _NAME as SPLIT_SUFFIX
 
 PREPROCESSOR = "preprocessor_config.json"
 _TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}
@@ -347,7 +351,7 @@ def write(comp: Component, det, path: Path, planned) -> dict:
     import gguf
     import numpy as np
 
-    from .writer import Rounding, add_key
+    from .codec import Rounding
 
     model, keys, tensors = planned
     writer = gguf.GGUFWriter(path, "clip")
@@ -412,7 +416,6 @@ def _q8_0(whole, qt, info, source: str) -> tuple:
     import gguf
     import numpy as np
 
-    from ...errors import NotStorable
     from ..core.tally import Stats
     from . import codec
 
@@ -494,8 +497,6 @@ def check(comp: Component, det, path: Path, planned, report: Mapping, shown) -> 
     requantized with the error reported. Raises ValidationFailed naming the first that does not."""
     import gguf
     import numpy as np
-
-    from ...errors import ValidationFailed
 
     _, _, tensors = planned
     try:
@@ -627,10 +628,8 @@ class ReadBack:
 def beside(text: Path) -> Path | None:
     """The mmproj file llama.cpp's naming puts beside a text GGUF (mmproj-<its name>; a split set's: its
     name without the split suffix), or None."""
-    from .split import _NAME
-
     names = [mmproj_name(text)]
-    m = _NAME.search(text.name)
+    m = SPLIT_SUFFIX.search(text.name)
     if m and m.start():
         names.append(f"mmproj-{text.name[:m.start()]}.gguf")
     return next((p for p in (text.with_name(n) for n in names) if p.is_file()), None)
@@ -644,8 +643,6 @@ def read_back(path: Path, model_type: str) -> ReadBack:
     clip keys contradict its tensors (clip_keys.checked, before anything is sized by them), it
     lacks a tensor the tower has, or holds one it has no place for."""
     import gguf
-
-    from .header import read_header
 
     path = Path(path)
     header = read_header(path)
@@ -705,8 +702,6 @@ def _f32_list(meta: Mapping, key: str, where) -> list[float]:
 def _assembled(hf: str, kind: str, parts: list, part, path: Path):
     """The TensorInfo of a Hugging Face tower tensor made of one or more mmproj tensors (parts: (GGUF
     tensor, numpy shape)): a float one as its values (decoded when read), a Q8_0 one as rows of blocks."""
-    from ..storage.safetensors_header import TensorInfo
-
     shapes = {s for _, s in parts}
     first, shape = parts[0]
     if len(shapes) != 1:
@@ -722,7 +717,6 @@ def _assembled(hf: str, kind: str, parts: list, part, path: Path):
     stored = "U8" if kind in _BLOCK_TYPES else kind
     decode = None
     if len(parts) > 1:
-        import functools
         decode = functools.partial(_joined, pieces, stored, part[0] if part else None)
     return TensorInfo(hf, stored, shape, first.file or path, first.offset,
                       sum(n for _, _, n in pieces), decode=decode)

@@ -13,14 +13,15 @@ first file as one model (split.read_gguf: every file checked first), each tensor
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ...errors import CorruptCheckpoint, UnsupportedFormat
 from ..core import structure
 from ..storage.checkpoint import Component
-from ..storage.safetensors_header import TensorInfo
+from ..storage.safetensors_header import TensorInfo, open_regular
 from . import arch as garch
+from . import mmproj
 from .header import GGUFHeader
 from .split import read_gguf
 
@@ -97,8 +98,6 @@ def rope_factors(t):
     from the file that holds it."""
     import numpy as np
 
-    from ..storage.safetensors_header import open_regular
-
     with open_regular(t.file) as f:
         f.seek(t.offset)
         raw = f.read(t.nbytes)
@@ -118,8 +117,6 @@ def open_gguf(path: Path) -> Component:
     beside it (mmproj-<name>) is read back as the VL model whole: the text model's tensors under
     model.language_model, the tower's (mmproj.read_back) under model.visual, the VL config.json and the
     image processor's preprocessor_config.json; without one, as the text model it computes on text."""
-    from . import mmproj
-
     path = Path(path)
     g = open_checked(path)
     header, config, arch = g.header, g.config, g.arch
@@ -197,8 +194,6 @@ def vl_config(text: dict, meta: dict, back, where) -> dict:
     """config.json of the VL model a text GGUF and its mmproj file hold together: the text model's config
     (config_from) as its text_config, with llama.cpp's M-RoPE sections, and the tower's (read_back);
     refused where the two files disagree."""
-    from ...errors import CorruptCheckpoint
-
     own = meta.get("general.architecture")
     vl = garch.BY_GGUF_NAME[own]
     dtype = text["dtype"]
@@ -249,8 +244,6 @@ def _decoded_tensor(t, hf: str, shape: tuple, code: str) -> TensorInfo:
 def decoded_rows(type_name: str, gguf_name: str, info: TensorInfo, rows: tuple[int, int] | None) -> "np.ndarray":
     """Rows r0:r1 (None: all) of a decoded tensor (_decoded_tensor), in its dtype: gguf-py's decoding
     (codec.decode_float), refused where it is not finite or exceeds the dtype's range."""
-    from dataclasses import replace
-
     from ..storage.tensor_io import FLOAT_NAMES, all_finite, encode_float, read_array
     from . import codec
 
@@ -270,8 +263,6 @@ def unpermuted_rows(heads: int, code: str, info: TensorInfo, rows: tuple[int, in
     """Rows r0:r1 (None: all) of llama's float q / k (stored as ``code``) in Hugging Face order, as
     info.dtype: its rows interleave within each head in llama.cpp's rotary order, so the heads the window
     touches are read (only their bytes) and put back (codec.unpermute_rows)."""
-    from dataclasses import replace
-
     from ..storage.tensor_io import convert_float, read_array
     from . import codec
 

@@ -25,11 +25,11 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ...errors import CorruptCheckpoint, NotStorable, OutputError, UnsupportedFormat, UsageError
+from ...errors import CorruptCheckpoint, NotStorable, OutputError, UnsupportedFormat, UsageError, ValidationFailed
 from ..core.activation import activation_report
 from ..core.experts import split_interleaved
 from ..core.layout import QuantModule, natural_key
-from ..core.options import Options
+from ..core.request import Options
 from ..core.reader import model_dtype, read_module, require_decodable
 from ..core.requantize import requantize, unrepresentable
 from ..core.source import check_source, exact_rows, exact_weights, source_spec, split_experts, whole
@@ -39,48 +39,23 @@ from ..storage.safetensors_writer import DEFAULT_MAX_SHARD
 from ..storage.staging import staged_output, test_hook
 from ..storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, encode_float, plain_chunks, read_array, to_float32
 from . import arch as garch
-from . import codec
+from . import codec, mmproj
+from .codec import Rounding
 from .header import GGUF_BITS, looks_like_gguf
+from .source import ROPE_FREQS as ROPE_FREQS_TENSOR, rope_factors
+from .split import read_gguf
 
 ROPE_FREQS = "rope_parameters (llama3)"         # the source of rope_freqs: computed from config.json
 _FLOAT_GGML = {"F16": (np.float16, "F16"), "F32": (np.float32, "F32"), "BF16": (np.uint16, "BF16")}
 # what llama.cpp does to activations (a quantized weight's dot product rounds them to its q8 blocks at run time)
 GGUF_ACTIVATIONS = "q8 blocks of 32 (llama.cpp's dot products), dynamic"
 _FLOAT_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}     # --gguf-float-type
-_WIDER = {"F16": "bf16 or f32", "BF16": "f32"}
 
 
 def _float_type(opts: Options, model_code: str) -> str:
     """The GGML type of a 2-D float tensor or a --gguf-float module: --gguf-float-type, else (auto) the
     model's own dtype."""
     return _FLOAT_TYPES.get(opts.gguf_float_type, model_code)
-
-
-class Rounding:
-    """A float tensor converted to the type chosen, and what the conversion changed, for the summary:
-    how many values are not exactly representable and the largest relative error among them. A finite
-    value the type would make infinite (float16's 65504) is refused, never written as inf."""
-
-    def __init__(self, code: str, tensor: str, file, hint: str | None = None):
-        self.code, self.tensor, self.file = code, tensor, file
-        self.hint = hint or f"--gguf-float-type {_WIDER.get(code, 'f32')}"
-        self.values, self.max_rel_error = 0, 0.0
-
-    def encode(self, x32: np.ndarray) -> np.ndarray:
-        x32 = np.ascontiguousarray(x32, np.float32)
-        stored = encode_float(x32, self.code)
-        back = to_float32(stored, self.code)
-        same = (back == x32) | (np.isnan(back) & np.isnan(x32))
-        if not same.all():
-            over = np.isfinite(x32) & ~np.isfinite(back)
-            if over.any():
-                raise UnsupportedFormat(f"holds {float(x32[over][0]):.6g}, beyond {self.code}'s range (it would be "
-                                        f"infinite): use {self.hint}", file=self.file,
-                                        tensor=self.tensor)
-            x = x32[~same].astype(np.float64)
-            self.values += x.size
-            self.max_rel_error = max(self.max_rel_error, float((np.abs(back[~same] - x) / np.abs(x)).max()))
-        return stored
 
 
 @dataclass
@@ -413,10 +388,7 @@ def arch_of(comp: Component):
 
 def _source_rope_factors(comp: Component):
     """A GGUF source's own rope_freqs, as they are (its config holds the llama-3 rope they were read as)."""
-    from .source import ROPE_FREQS as NAME, rope_factors
-    from .split import read_gguf
-
-    t = next((t for t in read_gguf(comp.path).tensors if t.name == NAME), None)
+    t = next((t for t in read_gguf(comp.path).tensors if t.name == ROPE_FREQS_TENSOR), None)
     return None if t is None else rope_factors(t)
 
 
@@ -513,31 +485,6 @@ def _file_type(outs: list[_Out]) -> int:
     return codec.FTYPE.get(top, codec.FTYPE_GUESSED)
 
 
-def add_key(writer, key: str, kind, value) -> None:
-    import gguf
-
-    if isinstance(kind, tuple):                        # a GGUF source's own field, in its own types
-        writer.add_key_value(key, value, kind[0], sub_type=kind[1])
-    elif kind == "str":
-        writer.add_string(key, value)
-    elif kind == "u32":
-        writer.add_uint32(key, value)
-    elif kind == "f32":
-        writer.add_float32(key, value)
-    elif kind == "bool":
-        writer.add_bool(key, value)
-    elif kind == "str[]":
-        writer.add_array(key, value)
-    elif kind == "i32[]":
-        writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
-    elif kind == "f32[]":
-        writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32)
-    elif kind == "bool[]":
-        writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL)
-    else:
-        raise AssertionError(kind)
-
-
 def _ahead(outs: list[_Out], jobs: int):
     """Each tensor's chunks, in order. With jobs > 1 the quantized modules (read, decoded, encoded: numpy
     work that leaves the GIL) are made in threads up to `jobs` tensors ahead of the one being written, so
@@ -564,8 +511,6 @@ def _ahead(outs: list[_Out], jobs: int):
 def write(comp: Component, path: Path, opts: Options, max_shard: int, jobs: int = 1) -> dict:
     import gguf
 
-    from . import mmproj
-
     tally = Tally()
     det, outs, kv = plan(comp, opts, tally)
     arch = arch_of(comp)
@@ -573,7 +518,7 @@ def write(comp: Component, path: Path, opts: Options, max_shard: int, jobs: int 
     split = max_shard if sum(o.nbytes for o in outs) > max_shard else 0     # gguf-py warns of a split it skips
     writer = gguf.GGUFWriter(path, arch.name, split_max_size=split)
     for key, kind, value in kv:
-        add_key(writer, key, kind, value)
+        garch.add_key(writer, key, kind, value)
     writer.add_string("general.name", _source_name(comp))
     writer.add_uint32("general.file_type", _file_type(outs))
     writer.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
@@ -668,8 +613,6 @@ def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = Fa
         if validate:                                  # before the move: a result that fails never reaches DST
             report["validation"] = check(comp, [tmp / f for f in report["shards"]], report, dst)
             if "mmproj" in report:
-                from . import mmproj
-
                 planned = mmproj.plan(comp, require_decodable(comp).modules, opts.mmproj_type)
                 report["mmproj"]["validation"] = mmproj.check(comp, require_decodable(comp), tmp / report["mmproj"]["file"],
                                                               planned, report["mmproj"], dst)
@@ -701,8 +644,6 @@ def check(comp: Component, files: list[Path], report: dict, shown: Path) -> dict
     every tensor must have the type the summary names. Raises ValidationFailed, naming the first tensor
     that does not."""
     import gguf
-
-    from ...errors import ValidationFailed
 
     det = require_decodable(comp)
     src_dtype = model_dtype(comp, det)

@@ -104,7 +104,7 @@ def fit_nvfp4(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str |
     per group, a float32 global multiplier per module. Codes are kept from NVFP4 sources (either
     dialect); for any other source the reason is returned and plan_nvfp4 refuses it, naming the file
     (no path requantizes into this target: it would need a calibrated input_scale). Every option is
-    ModelOpt's choice: it takes none (Target.options; core/options.Options refuses them)."""
+    ModelOpt's choice: it takes none (Target.options; core/request.Options refuses them)."""
     if src.scheme == "e2m1" and src.global_scale is not None and src.group_size == NVFP4_GROUP:
         return _nvfp4_spec(), None
     if src.scheme == "float":

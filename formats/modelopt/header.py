@@ -41,6 +41,7 @@ codec.py), from NVFP4 sources that carry a calibrated static activation scale on
 from __future__ import annotations
 
 import fnmatch
+import math
 from typing import Mapping
 
 from ...errors import NotStorable
@@ -124,13 +125,6 @@ def excluded_by(name: str, patterns) -> str | None:
     return None
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _scheme_of(algo, weight: TensorInfo) -> tuple[str, int]:
     """(scheme, bits) a module's codes are reported under: the config's algo where qconv knows it, else
     what the weight's dtype holds (e4m3; a byte of two 4-bit codes; anything else 8-bit)."""
@@ -147,7 +141,7 @@ def _check_scalar(tensors, name: str, what: str, dtypes, problems: list) -> Tens
         problems.append(f"no {what} beside the weight")
     elif info.dtype not in dtypes:
         problems.append(f"{what} is {info.dtype}, expected {' or '.join(dtypes)}")
-    elif _numel(info.shape) != 1:
+    elif math.prod(info.shape) != 1:
         problems.append(f"{what} has shape {list(info.shape)}; ModelOpt stores one per tensor (shape [])")
     return info
 

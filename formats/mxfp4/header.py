@@ -36,7 +36,7 @@ import fnmatch
 from typing import Mapping
 
 from ...errors import CorruptCheckpoint
-from ..core.layout import QuantModule, common, refuse_problems
+from ..core.layout import QuantModule, common, not_converted_list, refuse_problems
 from ..storage.safetensors_header import DTYPES, TensorInfo
 
 METHOD = "mxfp4"
@@ -51,13 +51,8 @@ def parse_config(qc: Mapping | None) -> dict:
     """{"modules_to_not_convert": [str], "problems": [str]} of a ``quant_method: mxfp4`` config."""
     qc = qc or {}
     problems = []
-    skip = qc.get("modules_to_not_convert")
-    if skip is None:
-        skip = []
-    elif not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
-        problems.append(f"modules_to_not_convert is {skip!r}, expected a list of module names")
-        skip = []
-    return {"modules_to_not_convert": list(skip), "problems": problems}
+    skip = not_converted_list(qc.get("modules_to_not_convert"), problems)
+    return {"modules_to_not_convert": skip, "problems": problems}
 
 
 def refuse(qc: Mapping) -> tuple[type, str] | None:

@@ -1,7 +1,8 @@
 """The architecture docs/layout.md describes, checked from the imports (the source read, nothing imported):
 core and storage import no family, no generic module imports a family or compares against a family's
-name, and no two parts of qconv import each other round a circle. A family is any folder of formats/
-besides core/ and storage/ (formats/__init__.py loads each one; it declares itself)."""
+name, no two parts of qconv import each other round a circle, and no two files do either (lazy imports
+included: a function-local import that only dodges a circle at run time is still one). A family is any
+folder of formats/ besides core/ and storage/ (formats/__init__.py loads each one; it declares itself)."""
 
 import ast
 from pathlib import Path
@@ -30,19 +31,44 @@ def _room(mod: str) -> str:
     return f"{p[0]}/{p[1]}" if p[0] in ("formats", "convert") and len(p) > 1 and p[1] != "__init__" else p[0]
 
 
-def _imports(mod: str, path: Path) -> set[str]:
+def _sites(mod: str, path: Path):
+    """Each import of qconv, at any depth: (the module named, the names taken from it, whether it is
+    ``from . import a``: no module after the dots)."""
     pkg = mod.split(".")[:-1]
-    found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level:
             base = pkg[: len(pkg) - node.level + 1]
-            found |= ({".".join(base + node.module.split("."))} if node.module
-                      else {".".join(base + [a.name]) for a in node.names})
+            yield ".".join(base + (node.module.split(".") if node.module else [])), [a.name for a in node.names], \
+                not node.module
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("qconv."):
-            found.add(node.module[len("qconv."):])
+            yield node.module[len("qconv."):], [a.name for a in node.names], False
         elif isinstance(node, ast.Import):
-            found |= {a.name[len("qconv."):] for a in node.names if a.name.startswith("qconv.")}
+            yield from ((a.name[len("qconv."):], [], False) for a in node.names if a.name.startswith("qconv."))
+
+
+def _imports(mod: str, path: Path) -> set[str]:
+    found = set()
+    for module, names, bare in _sites(mod, path):
+        found |= {".".join(filter(None, (module, a))) for a in names} if bare else {module}
     return found
+
+
+def _file_graph() -> dict[str, set[str]]:
+    """file -> the files it takes names from: ``from .x import a`` is x.py (or x/a.py where a is a module of
+    the package x), ``from . import a`` is a.py or the package's __init__.py."""
+    files = {mod: path for mod, path in _modules()}
+
+    def file_of(name):
+        return next((k for k in (name, ".".join(filter(None, (name, "__init__")))) if k in files), None)
+
+    edges = {}
+    for mod, path in files.items():
+        out = set()
+        for module, names, _ in _sites(mod, path):
+            for a in names or [None]:
+                out.add((a and a != "*" and file_of(".".join(filter(None, (module, a))))) or file_of(module))
+        edges[str(path.relative_to(ROOT))] = {str(files[t].relative_to(ROOT)) for t in out if t and t != mod}
+    return edges
 
 
 def _graph() -> dict[str, set[str]]:
@@ -64,11 +90,37 @@ def test_the_families_are_found():
     assert {f.codec.split(".")[0] for f in families()} == set(FAMILIES)   # every folder declared itself
 
 
-def test_no_circles():
-    edges = _graph()
+def _circles(edges) -> list[tuple[str, ...]]:
     seen_from = {a: _reach(edges, a) for a in edges}
-    circles = sorted({tuple(sorted(b for b in seen_from[a] if a in seen_from[b])) for a in edges if a in seen_from[a]})
+    return sorted({tuple(sorted(b for b in seen_from[a] if a in seen_from[b])) for a in edges if a in seen_from[a]})
+
+
+def test_no_circles():
+    circles = _circles(_graph())
     assert circles == [], circles
+
+
+def test_no_file_circles():
+    """Files, not only rooms: formats/core/options.py (the declarations) stands below registry.py, which
+    request.py (the model built from the registered targets) stands above; gguf's writer.py and source.py
+    import mmproj.py, which takes what it shares with writer.py (Rounding, add_key) from codec.py and
+    arch.py below them."""
+    circles = _circles(_file_graph())
+    assert circles == [], circles
+
+
+def test_bin_structure_measures_the_same_shape():
+    """bin/structure (stdlib) reports no circle of rooms or files and no arrow back up through its LAYERS,
+    and counts the files this test reads."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "bin" / "structure"), str(ROOT), "--json"], capture_output=True,
+                         text=True, check=True, timeout=120)
+    m = json.loads(out.stdout)
+    assert (m["circles"], m["file_circles"], m["arrows_back_up"]) == ([], [], [])
+    assert m["files"] == len(_file_graph())
 
 
 def _reach(edges, start) -> set[str]:
@@ -122,25 +174,31 @@ def test_no_generic_module_compares_against_a_family_name():
     assert bad == []
 
 
-@pytest.mark.parametrize("planted, expect", [
-    ("from ..formats.bnb.codec import CODEBOOKS\n", "import"),
-    ("if m.family == 'gptq':\n    pass\n", "compare"),
+@pytest.mark.parametrize("where, planted, expect", [
+    ("convert/dequantize.py", "from ..formats.bnb.codec import CODEBOOKS\n", "import"),
+    ("convert/dequantize.py", "if m.family == 'gptq':\n    pass\n", "compare"),
+    ("formats/core/registry.py", "def _late():\n    from .detect import dialects\n", "file circle"),
 ])
-def test_the_checks_catch_a_planted_branch(tmp_path, monkeypatch, planted, expect):
-    """The two checks above fail on the branch they exist to catch (a copy of convert/ with one planted)."""
+def test_the_checks_catch_a_planted_branch(tmp_path, monkeypatch, where, planted, expect):
+    """The checks above fail on what they exist to catch (a copy of qconv with one planted): a family
+    imported or a family's name compared in convert/, and a lazy import that closes a circle of two files
+    in one room, which the rooms' check cannot see (formats/core/detect.py imports registry.py)."""
     import shutil
     import sys
 
     copy = tmp_path / "qconv"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".*", "tests", "fixtures", "benchmarks", "docs",
                                                                "bin", "*.egg-info", "__pycache__"))
-    with open(copy / "convert" / "dequantize.py", "a") as f:
+    with open(copy / where, "a") as f:
         f.write("\n" + planted)
     monkeypatch.setattr(sys.modules[__name__], "ROOT", copy)
-    check = test_no_generic_module_imports_a_family if expect == "import" else \
-        test_no_generic_module_compares_against_a_family_name
+    check = {"import": test_no_generic_module_imports_a_family,
+             "compare": test_no_generic_module_compares_against_a_family_name,
+             "file circle": test_no_file_circles}[expect]
     with pytest.raises(AssertionError):
         check()
+    if expect == "file circle":
+        test_no_circles()                 # one room: only the files' check sees it
 
 
 TOY = '''"""A format family that exists only in this test: one folder, nothing else changed."""

@@ -355,6 +355,19 @@ def test_exit_code_classes_match_the_tables():
 # Command lines, options and targets
 
 
+def test_help_names_every_format_qconv_reads_and_writes():
+    """`qconv --help` names every format the registry holds: each quantized family's report name, a config
+    language reported under its own name (auto-round), and every --to target, none broken across lines."""
+    from click.testing import CliRunner
+    from qconv.formats.core.registry import dialects, families
+
+    text = re.sub(r"\s+", " ", CliRunner().invoke(cli, ["--help"]).output)
+    names = ({f.method for f in families() if f.quantized} | {n for d in dialects() for n in d.reported_as_itself}
+             | _targets())
+    missing = sorted(n for n in names if not re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", text))
+    assert not missing, f"qconv --help does not name {missing}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_command_lines_use_real_verbs_options_and_choices(page):
     bad = []
@@ -521,7 +534,7 @@ def test_validate_page_quotes_the_bounds_validate_help_states():
 
 
 def test_validate_defaults_and_figures_are_the_codes():
-    v = _constants(ROOT / "validation.py")
+    v = {**_constants(ROOT / "validation.py"), **_constants(ROOT / "formats" / "core" / "reader.py")}
     params = {p.name: p for p in cli.commands["validate"].params}
     text = "\n".join(p.read_text() for p in PAGES)
     figures = {

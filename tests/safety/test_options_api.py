@@ -164,7 +164,7 @@ def test_an_api_keyword_the_target_does_not_take_is_refused_at_its_default(tmp_p
 
 def test_an_option_not_given_is_not_refused():
     """None is "not given" (the target's default): a script may pass every keyword as None."""
-    from qconv.formats.core.options import Options, declared
+    from qconv.formats.core.request import Options, declared
 
     opts = Options("mlx", **{name: None for name in declared()})
     assert opts.to == "mlx"

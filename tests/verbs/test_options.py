@@ -1,4 +1,4 @@
-"""The one options model (formats/core/options.py): the targets' declarations are `qconv convert`'s flags,
+"""The one options model (formats/core/request.py; its declarations formats/core/options.py): the targets' declarations are `qconv convert`'s flags,
 `qconv.convert`'s keywords and `qconv.target_options()`; --block-size is one spelling with each target's
 own meaning; --blocksize / blocksize= still work, with a warning."""
 
@@ -13,7 +13,7 @@ import pytest
 import qconv
 from conftest import CHECKPOINTS
 from qconv.errors import UsageError
-from qconv.formats.core.options import Options, declared
+from qconv.formats.core.request import Options, declared
 from qconv.formats.core.registry import file_targets, targets
 
 SRC = CHECKPOINTS / "llama-bnb4-fp4"

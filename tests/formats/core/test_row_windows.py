@@ -105,7 +105,7 @@ def test_an_unquantized_module_reads_through_the_registry_by_windows(name):
     from dataclasses import replace
 
     from qconv.formats.core.experts import split_interleaved
-    from qconv.formats.core.options import Options
+    from qconv.formats.core.request import Options
     from qconv.formats.core.source import data_free_modules
 
     comp = open_target(CHECKPOINTS / name).components[0]

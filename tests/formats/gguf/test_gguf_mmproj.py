@@ -102,7 +102,7 @@ def test_q8_0_keeps_bitsandbytes_codes(tmp_path, monkeypatch):
     with the scales' rounding, and --validate reads it back. Negative control: one code off by one fails
     validation, nothing written."""
     from qconv.errors import ValidationFailed
-    from qconv.formats.core.options import Options
+    from qconv.formats.core.request import Options
     from qconv.formats.gguf import mmproj, writer
 
     src = CHECKPOINTS / "qwen3vl-bnb8-skipvisual"
@@ -269,7 +269,7 @@ def test_validate_reads_the_mmproj_file_back(tmp_path, monkeypatch):
     """--validate reads the mmproj file back with gguf-py (every tensor: the source's, in the type written);
     the negative control, each value one unit in the last place off, fails naming the tensor, nothing written."""
     from qconv.errors import ValidationFailed
-    from qconv.formats.core.options import Options
+    from qconv.formats.core.request import Options
     from qconv.formats.gguf import writer
 
     comp = _convert(CHECKPOINTS / "qwen25vl-bf16", tmp_path / "ok" / "m.gguf", "--validate", "--mmproj-type", "f16")
