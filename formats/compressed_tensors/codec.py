@@ -1,17 +1,12 @@
-"""compressed-tensors tensor data <-> QuantTensor (the layout, from headers, and the config are
-header.py beside it).
-
-In a QuantTensor the codes are unsigned: the stored value q + 2^(b-1) (what pack-quantized writes,
-and int-quantized's signed I8 plus 2^(b-1)), against zero points zp + 2^(b-1) (2^(b-1) everywhere for
-a symmetric scheme). ``(codes - zeros) * scales`` is then exactly compressed-tensors'
-``(q - zp) * scale``, and a symmetric 4-bit code is GPTQ's uint4b8 code. Scales are widened to float32;
-``spec.scale_dtype`` keeps the stored dtype so that encode writes the same bytes back.
-
-The floating-point formats are read (read_float): float-quantized FP8 through the e4m3 reader every
-FP8 dialect shares (fp8/codec.read_e4m3), nvfp4- and mxfp4-pack-quantized FP4 here (header.py gives
-their layouts and compressed-tensors' arithmetic). float-quantized FP8 is also written (target
-compressed-tensors-fp8: fit_fp8, plan_fp8, requantize_fp8 with llm-compressor's arithmetic, retarget_fp8,
-encode_fp8).
+"""compressed-tensors' writers on the data side, the registry's codec of every compressed-tensors target
+(encode_for): QuantTensor -> the tensors of a module, and the target hooks that decide and compute them.
+The integer targets (compressed-tensors, compressed-tensors-w8a8) store codes as they are (encode);
+the floating-point ones follow llm-compressor: compressed-tensors-fp8 (float-quantized FP8: fit_fp8,
+plan_fp8, requantize_fp8, retarget_fp8, encode_fp8), compressed-tensors-nvfp4 (NVFP4A16 / NVFP4: fit,
+plan, share, requantize, retarget, encode_nvfp4) and compressed-tensors-mxfp4 (MXFP4A16), their
+quantizers llm-compressor's arithmetic (quantize.py). What each stores is predicted before any data by
+writer.py and float_writer.py; reading is decode.py (its read, unpack_dense and pack_dense named here too,
+where tests and benchmarks have always found them).
 """
 
 from __future__ import annotations
@@ -22,207 +17,19 @@ from typing import Mapping
 
 import numpy as np
 
-from ...errors import CorruptCheckpoint, NotStorable, UnsupportedFormat
-from .header import (FP8_TARGET, INT, input_scale_dtype, MXFP4_GROUP, MXFP4_TARGET, NAIVE, NVFP4, NVFP4_GROUP, NVFP4_TARGET, PACKED,
-                     READABLE_FORMATS, mxfp4_leaves,
-                     _PADDED_BITS, _SCALE_DTYPES, _padded_range, check, float_leaves, fused_group, leaves,
-                     nvfp4_leaves, padded_layout_message)
+from ...errors import NotStorable, UnsupportedFormat
 from ..core.ir import QuantSpec, QuantTensor
-from ..core.layout import QuantModule
-from ..core.minifloat import E2M1, E2M1_BOOK, E4M3_BOOK, E4M3_MAX, e4m3_bytes, e8m0
-from ..core.packing import pack_int32, unpack_int32, unpack_nibbles_low_first
-from ..fp8.codec import read_e4m3
-from ..storage.safetensors_header import TensorInfo
-from ..storage.tensor_io import encode_float, finite_scales, read_array, to_float32
+from ..core.layout import NVFP4_GROUP, QuantModule, fused_group
+from ..core.minifloat import E2M1_BOOK, E4M3_BOOK, e4m3_bytes, e8m0
+from ..storage.tensor_io import encode_float, to_float32
+from .config import INT, NAIVE, PACKED, READABLE_FORMATS, _SCALE_DTYPES
+from .decode import _signed, pack_dense, read, unpack_dense
+from .float_writer import (FP8_TARGET, MXFP4_GROUP, MXFP4_TARGET, NVFP4_TARGET, float_leaves, input_scale_dtype,
+                           mxfp4_leaves, nvfp4_leaves)
+from .quantize import _TORCH_DTYPES, global_scale, quantize_fp8, quantize_mxfp4, quantize_nvfp4
+from .writer import leaves
 
 __all__ = ["read", "encode", "leaves", "pack_dense", "unpack_dense"]
-
-
-# ---------------------------------------------------------------------------------------------
-# compressed-tensors' dense bitstream over any length (pack_to_int32 / unpack_from_int32)
-
-def unpack_dense(words: np.ndarray, bits: int, n: int, axis: int) -> np.ndarray:
-    """int32 words -> n uint8 codes along ``axis``: the LSB-first bitstream of packing.py, for any n
-    (compressed-tensors pads a row to whole 32-code runs and keeps only ceil(n*b/32) words)."""
-    w = np.asarray(words)
-    have = w.shape[axis]
-    if have != math.ceil(n * bits / 32):
-        raise NotStorable(f"{have} words along axis {axis} do not hold {n} {bits}-bit codes")
-    if 32 % bits and have % bits:                     # whole runs of b words for unpack_int32
-        pad = [(0, 0)] * w.ndim
-        pad[axis] = (0, bits - have % bits)
-        w = np.pad(w, pad)
-    codes = unpack_int32(w, bits, axis=axis)
-    if codes.shape[axis] != n:
-        codes = np.take(codes, np.arange(n), axis=axis)
-    return np.ascontiguousarray(codes)
-
-
-def pack_dense(codes: np.ndarray, bits: int, axis: int) -> np.ndarray:
-    """uint8 codes (< 2^bits) -> int32 words along ``axis``, ceil(n*b/32) of them; codes past the
-    end are zero, as compressed-tensors pads them."""
-    c = np.asarray(codes, dtype=np.uint8)
-    n = c.shape[axis]
-    if n % 32:
-        pad = [(0, 0)] * c.ndim
-        pad[axis] = (0, 32 - n % 32)
-        c = np.pad(c, pad)
-    words = pack_int32(c, bits, axis=axis)
-    keep = math.ceil(n * bits / 32)
-    if words.shape[axis] != keep:
-        words = np.take(words, np.arange(keep), axis=axis)
-    return np.ascontiguousarray(words)
-
-
-def _unsigned(q: np.ndarray, bits: int, info: TensorInfo, what: str) -> np.ndarray:
-    """Signed stored values (int-quantized) -> uint8 q + 2^(b-1), refusing values outside b bits."""
-    offset = 1 << (bits - 1)
-    if q.dtype == np.int8 and bits == 8:
-        return q.view(np.uint8) ^ np.uint8(0x80)          # q + 128 (mod 256), bit for bit
-    wide = q.astype(np.int64)
-    if wide.size and (wide.min() < -offset or wide.max() >= offset):
-        raise CorruptCheckpoint(f"holds {what} outside the {bits}-bit range {-offset}..{offset - 1}",
-                                file=info.file, tensor=info.name)
-    return (wide + offset).astype(np.uint8)
-
-
-def _signed(u: np.ndarray, bits: int) -> np.ndarray:
-    if bits == 8:                                          # u - 128 as int8, bit for bit, in one pass
-        return (np.asarray(u, np.uint8) ^ np.uint8(0x80)).view(np.int8)
-    return (np.asarray(u).astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
-
-
-# ---------------------------------------------------------------------------------------------
-# Read
-
-def _in_features(m: QuantModule, tensors: Mapping[str, TensorInfo]) -> int:
-    """weight_shape's value (out, in), checked against what the headers allow."""
-    info = tensors[m.name + ".weight_shape"]
-    packed = tensors[m.name + ".weight_packed"]
-    value = read_array(info).reshape(-1)
-    got = tuple(int(v) for v in value)
-    lo, hi = m.details["in_range"]
-    if len(got) == 2 and got[0] == m.out_features and lo <= got[1] <= hi:
-        return got[1]
-    cols = packed.shape[1]
-    if (len(got) == 2 and got[0] == m.out_features and m.bits in _PADDED_BITS
-            and _padded_range(cols, m.bits)[0] <= got[1] <= _padded_range(cols, m.bits)[1]):
-        raise UnsupportedFormat(padded_layout_message(
-            m.bits, m.details.get("version"), f"weight_shape says in={got[1]}, which packs to {cols} "
-                                              f"words a row only that way"), file=packed.file,
-            tensor=packed.name)
-    span = f"{lo}" if lo == hi else f"{lo}..{hi}"
-    raise CorruptCheckpoint(f"weight_shape holds {list(got)}, but weight_packed {list(packed.shape)} and "
-                            f"weight_scale hold a [{m.out_features}, {span}] weight; cannot decode it",
-                            file=info.file, tensor=info.name)
-
-
-def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, dtype: str,
-         rows: tuple[int, int] | None = None) -> QuantTensor:
-    """The module as a QuantTensor, exactly: ``dequantize()`` rounded to float16 is what
-    compressed-tensors decompresses for a float16 model. rows: only output rows r0:r1 (multiples of
-    32, or the last row: packed zero points hold 32 rows in whole words)."""
-    check(m, tensors, qc)
-    name, bits, out = m.name, m.bits, m.out_features
-    r0, r1 = rows or (0, out)
-    if (r0 % 32 or (r1 % 32 and r1 != out)) or not 0 <= r0 <= r1 <= out:
-        raise NotStorable(f"rows {r0}:{r1} of {name} are not whole runs of 32 output channels")
-    window = None if rows is None else (r0, r1)
-    if m.details.get("layout") in ("fp8", "fp4"):
-        return read_float(m, tensors, dtype, rows)
-    offset = 1 << (bits - 1)
-    scale_info = tensors[name + ".weight_scale"]
-    groups = scale_info.shape[1]
-    if m.details["layout"] == "pack":
-        inp = _in_features(m, tensors)
-        codes = unpack_dense(read_array(tensors[name + ".weight_packed"], rows=window), bits, inp, axis=1)
-    else:
-        info = tensors[name + ".weight"]
-        inp = info.shape[1]
-        codes = np.ascontiguousarray(_unsigned(read_array(info, rows=window), bits, info, "codes"))
-    scales = finite_scales(to_float32(read_array(scale_info, rows=window), scale_info.dtype), scale_info)
-    out = r1 - r0
-    if m.details["symmetric"]:
-        zeros = np.full((out, groups), offset, dtype=np.uint8)
-    else:
-        info = tensors[name + ".weight_zero_point"]
-        if m.details["layout"] == "pack":
-            w1 = info.shape[0] if r1 == m.out_features else r1 * bits // 32
-            zeros = unpack_dense(read_array(info, rows=None if rows is None else (r0 * bits // 32, w1)),
-                                 bits, out, axis=0)
-        else:
-            zeros = np.ascontiguousarray(_unsigned(read_array(info, rows=window), bits, info, "zero points"))
-    group_size = m.group_size
-    if group_size > 0 and -(-inp // group_size) != groups:
-        raise CorruptCheckpoint(f"holds {groups} groups, but {inp} input channels in groups of "
-                                f"{group_size} make {-(-inp // group_size)}; cannot decode it",
-                                file=scale_info.file, tensor=scale_info.name)
-    g_idx = None
-    if name + ".weight_g_idx" in tensors:
-        info = tensors[name + ".weight_g_idx"]
-        g_idx = read_array(info).astype(np.int64)
-        if g_idx.shape != (inp,):
-            raise CorruptCheckpoint(f"has shape {list(g_idx.shape)}, expected [{inp}]", file=info.file,
-                                    tensor=info.name)
-        if g_idx.size and (g_idx.min() < 0 or g_idx.max() >= groups):
-            raise CorruptCheckpoint(f"holds groups outside 0..{groups - 1}", file=info.file, tensor=info.name)
-        trivial = np.zeros(inp, np.int64) if group_size <= 0 else np.arange(inp) // group_size
-        if np.array_equal(g_idx, trivial):
-            g_idx = None
-    spec = QuantSpec("int", bits, group_size, bool(m.details["symmetric"]), scale_dtype=scale_info.dtype)
-    return QuantTensor(spec, (out, inp), dtype, codes=codes, scales=np.ascontiguousarray(scales),
-                       zeros=zeros, g_idx=g_idx)
-
-
-def read_float(m: QuantModule, tensors: Mapping[str, TensorInfo], dtype: str,
-               rows: tuple[int, int] | None = None) -> QuantTensor:
-    """A floating-point module (checked by read) as a QuantTensor whose dequantization, rounded to the
-    model dtype, is compressed-tensors' own decompression bit for bit:
-
-    * float-quantized: e4m3 codes times the scale of their row / block / tensor, exact in float32 and
-      rounded once to the model dtype, as compressed-tensors' product in the scale's dtype;
-    * nvfp4-pack-quantized: scales float32(e4m3 scale) / global (compressed-tensors divides the bfloat16
-      scale by the float32 global scale in float32), the product rounded to bfloat16 (product_dtype),
-      as its decompression into the bfloat16 FP4 values leaves it, before the model dtype;
-    * mxfp4-pack-quantized: scales 2^(b - 127); its bfloat16 product is exact (a 2-bit e2m1 significand
-      times a power of two), so nothing is rounded before the model dtype.
-
-    Refused: e4m3 NaN codes and non-finite scales (read_e4m3), an e4m3 NaN group scale, a zero or
-    non-finite global scale, an e8m0 scale of 255 (NaN)."""
-    name = m.name
-    scale = tensors[name + ".weight_scale"]
-    if m.scheme == "e4m3":
-        return read_e4m3(tensors[name + ".weight"], scale, m.details["block_rows"], m.group_size, dtype, rows)
-    r0, r1 = rows or (0, m.out_features)
-    window = None if rows is None else (r0, r1)
-    codes = unpack_nibbles_low_first(read_array(tensors[name + ".weight_packed"], rows=window))
-    stored = read_array(scale, rows=window)
-    if m.details["format"] == NVFP4:
-        group_scales = finite_scales(to_float32(stored, scale.dtype), scale)
-        info = tensors[name + ".weight_global_scale"]
-        g = np.float32(read_array(info).reshape(-1)[0])
-        if not np.isfinite(g) or g == 0:
-            raise CorruptCheckpoint(f"holds {float(g)}: every scale of the module is divided by it; cannot "
-                                    f"decode it", file=info.file, tensor=info.name)
-        if g < 0:
-            raise CorruptCheckpoint(f"holds {float(g)}, but compressed-tensors' global scale is 448 x 6 / absmax, "
-                                    f"positive; cannot decode it", file=info.file, tensor=info.name)
-        with np.errstate(over="ignore"):
-            scales = group_scales / g
-        if not np.all(np.isfinite(scales)):
-            raise CorruptCheckpoint(f"holds {float(g):.3g}, which makes scales of {scale.name} infinite; cannot "
-                                    f"decode it", file=info.file, tensor=info.name)
-        spec = QuantSpec("e2m1", 4, m.group_size, True, codebook=E2M1_BOOK, scale_dtype=scale.dtype,
-                         global_scale="divisor")
-        return QuantTensor(spec, (r1 - r0, m.in_features), dtype, codes=codes, scales=scales,
-                           group_scales=group_scales, global_scale=g, product_dtype="bfloat16")
-    nan = stored == 255
-    if nan.any():
-        o, i = (int(v[0]) for v in np.nonzero(nan))
-        raise CorruptCheckpoint(f"holds {int(nan.sum())} e8m0 scales of 255 (NaN), the first at [{r0 + o}, {i}]: "
-                                f"no weight of their groups decodes", file=scale.file, tensor=scale.name)
-    spec = QuantSpec("e2m1", 4, m.group_size, True, codebook=E2M1_BOOK, scale_dtype=scale.dtype)
-    return QuantTensor(spec, (r1 - r0, m.in_features), dtype, codes=codes, scales=e8m0(stored))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,54 +173,6 @@ def _static_input(ctx) -> dict:
     return {"input_scale": float(act.as_kind("multiplier"))}
 
 
-def quantize_fp8(w: np.ndarray, dtype: str, block_rows: int, group_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(codes uint8 [out, in], scales float32 [out, 1] or [ceil(out/B0), ceil(in/B1)]) of a weight, as
-    llm-compressor's oneshot with the FP8_DYNAMIC / FP8_BLOCK presets computes them (its
-    memoryless_minmax observer, compressed-tensors' calculate_qparams and the float-quantized compressor,
-    compressed-tensors 0.19), with the same torch operations in the same dtypes, so the same float model
-    gives the same bytes:
-
-    * the weight in the model dtype (``dtype``; a quantized source's exact weights rounded to it, which
-      is the model llm-compressor would load); blocks: padded with zeros to whole blocks (which do not
-      change a block's range: min and max are taken with 0);
-    * per channel / block: min(amin, 0) and max(amax, 0), scale = max(|min|, |max|) / (896 / 2) in the
-      model dtype (calculate_range's float32 -448..448, its span cast to the model dtype), a zero scale
-      replaced by the model dtype's eps;
-    * codes = e4m3(clamp(x / scale + 0, -448, 448)): the division in the model dtype (a float32 division
-      differs in thousands of codes of the fixtures), the zero point (force-initialised zeros) added as
-      compressed-tensors adds it, torch's cast rounding to nearest even."""
-    import torch
-
-    tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype, torch.float32)
-    x = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(tdtype)
-    out, inp = x.shape
-    q_min, q_max = torch.tensor(-E4M3_MAX), torch.tensor(E4M3_MAX)    # calculate_range: float32 0-dim
-    block = group_size > 0
-    if block:
-        b0, b1 = max(1, min(block_rows, out)), max(1, min(group_size, inp))   # a block larger than the
-        rt, ct = -(-out // b0), -(-inp // b1)          # weight: one block over it, padding sized by the weight
-        x = torch.nn.functional.pad(x, (0, ct * b1 - inp, 0, rt * b0 - out), mode="constant", value=0)
-        x = x.reshape(rt, b0, ct, b1).transpose(1, 2)                   # [rt, ct, b0, b1]
-        lo, hi = x.amin(dim=(-2, -1)), x.amax(dim=(-2, -1))
-    elif inp == 0:                                                     # no inputs: a range of [0, 0]
-        lo = hi = torch.zeros((out, 1), dtype=tdtype)
-    else:
-        lo, hi = x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
-    lo = torch.min(lo, torch.zeros_like(lo))
-    hi = torch.max(hi, torch.zeros_like(hi))
-    amax = torch.max(torch.abs(lo), torch.abs(hi))
-    scale = amax / ((q_max - q_min).to(amax.dtype) / 2)
-    scale = torch.where(scale == 0, torch.tensor(torch.finfo(scale.dtype).eps, dtype=scale.dtype), scale)
-    s = scale.unsqueeze(-1).unsqueeze(-1) if block else scale
-    scaled = x / s
-    scaled.add_(0.0)                             # + zero point: -0 + 0 = +0 (a tiny negative stays one: e4m3 -0)
-    scaled.clamp_(-E4M3_MAX, E4M3_MAX)           # clamp(x, q_min, q_max): +-448 are bfloat16 / float16 values
-    codes = scaled.to(torch.float8_e4m3fn)
-    if block:
-        codes = codes.transpose(1, 2).reshape(rt * b0, ct * b1)[:out, :inp]
-    return codes.contiguous().view(torch.uint8).numpy(), scale.to(torch.float32).numpy().astype(np.float32, copy=False)
-
-
 def _fp8_tensor(codes: np.ndarray, scales: np.ndarray, spec: QuantSpec, dtype: str) -> QuantTensor:
     """Codes and scales in the target's layout -> a QuantTensor (scales expanded to one row per output
     row, as read_e4m3 gives them)."""
@@ -476,9 +235,6 @@ def encode_fp8(qt: QuantTensor, spec: QuantSpec) -> dict[str, tuple[str, np.ndar
 
 # ---------------------------------------------------------------------------------------------
 # Target compressed-tensors-nvfp4: llm-compressor's NVFP4A16 (nvfp4-pack-quantized, weights only)
-
-E2M1_MAX = 6.0
-_TORCH_DTYPES = ("float16", "bfloat16")
 
 
 def _fp4_settings(m: QuantModule, request, target: str, kind: str, group: int, scales: str) -> None:
@@ -547,20 +303,8 @@ def plan_nvfp4(ctx) -> dict:
     return {"absmax": absmax, "dtype": ctx.dtype}
 
 
-def global_scale(absmax: float, dtype: str) -> float:
-    """compressed-tensors' generate_gparam: 448 * 6 / absmax in the model dtype (the observer's
-    statistics are in it), absmax at least the dtype's smallest normal, NaN and inf replaced by 1, then
-    float32."""
-    import torch
-
-    tdtype = getattr(torch, dtype) if dtype in _TORCH_DTYPES else torch.float32
-    a = torch.clamp(torch.tensor([absmax], dtype=tdtype), min=torch.finfo(tdtype).tiny)
-    g = torch.nan_to_num(E4M3_MAX * E2M1_MAX / a, nan=1.0, posinf=1.0, neginf=1.0)
-    return float(g.to(torch.float32)[0])
-
-
 def share_nvfp4(settings: Mapping[str, dict]) -> dict[str, dict]:
-    """One global scale for the requantized modules vLLM fuses (q/k/v, gate/up, ...: header.fused_group),
+    """One global scale for the requantized modules vLLM fuses (q/k/v, gate/up, ...: layout.fused_group),
     from their joint absolute maximum, as llm-compressor's fused observers compute it; a module in no
     group has its own."""
     joint: dict[str, tuple[float, str]] = {}
@@ -571,59 +315,6 @@ def share_nvfp4(settings: Mapping[str, dict]) -> dict[str, dict]:
             joint[key] = (max(a, s["absmax"]), dtype)
     return {name: ({"global_scale": global_scale(*joint[fused_group(name)])} if "absmax" in s else dict(s))
             for name, s in settings.items()}
-
-
-def quantize_nvfp4(w: np.ndarray, dtype: str, g: float) -> tuple[np.ndarray, np.ndarray]:
-    """(codes uint8 [out, in] e2m1 nibbles, group scales float32 [out, in/16] e4m3 values) of a weight
-    under global scale g, as llm-compressor's NVFP4 oneshot computes them (memoryless_minmax observer,
-    compressed-tensors 0.19 calculate_qparams and the nvfp4 compressor), with the same torch operations:
-
-    * per group of 16 in the model dtype: amax = max(|min(lo, 0)|, max(hi, 0)), amax / 6 in the model
-      dtype, times g in float32, clamped to +-448 and rounded to e4m3 (a zero scale becomes 0.125);
-    * codes: x / (scale / g) in float32, plus the zero point (so -0.0 becomes +0.0), clamped to +-6 and
-      rounded to e2m1 by cast_to_fp4's intervals (ties to even), the sign kept for a value rounded to 0."""
-    import torch
-
-    tdtype = getattr(torch, dtype) if dtype in _TORCH_DTYPES else torch.float32
-    x = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(tdtype)
-    out, inp = x.shape
-    xg = x.reshape(out, inp // NVFP4_GROUP, NVFP4_GROUP)
-    zero = torch.zeros(1, dtype=tdtype)
-    lo, hi = torch.min(xg.amin(-1), zero), torch.max(xg.amax(-1), zero)
-    q_min, q_max = torch.tensor(-E2M1_MAX), torch.tensor(E2M1_MAX)
-    scale = torch.max(lo.abs(), hi.abs()) / ((q_max - q_min).to(tdtype) / 2)
-    gs = torch.tensor([g], dtype=torch.float32)
-    scale = gs * scale
-    fi = torch.finfo(torch.float8_e4m3fn)
-    scale = torch.clamp(scale, fi.min, fi.max).to(torch.float8_e4m3fn).to(torch.float32)
-    scale = torch.where(scale == 0, torch.tensor(0.125, dtype=torch.float32), scale)
-    scaled = xg / (scale / gs).unsqueeze(-1)
-    scaled += torch.zeros((), dtype=tdtype)
-    return _e2m1_codes(scaled.reshape(out, inp)), scale.numpy()
-
-
-def _e2m1_codes(scaled) -> np.ndarray:
-    """e2m1 nibbles (sign in bit 3) of values already divided by their scale, as compressed-tensors
-    rounds them: clamped to +-6, then cast_to_fp4's intervals (ties to even), the sign kept for a value
-    rounded to 0."""
-    import torch
-
-    t = torch.clamp(scaled, -E2M1_MAX, E2M1_MAX)
-    sign = torch.sign(t)
-    t = torch.abs(t)
-    rounded = torch.zeros_like(t)
-    for lo_, hi_, value, closed in ((0.25, 0.75, 0.5, False), (0.75, 1.25, 1.0, True), (1.25, 1.75, 1.5, False),
-                                    (1.75, 2.5, 2.0, True), (2.5, 3.5, 3.0, False), (3.5, 5.0, 4.0, True)):
-        inside = (t >= lo_) & (t <= hi_) if closed else (t > lo_) & (t < hi_)
-        rounded[inside] = value
-    rounded[t > 5.0] = 6.0
-    q = rounded * sign
-    codes = torch.zeros(q.shape, dtype=torch.uint8)
-    magnitude = (q * 2).to(torch.int8).abs()
-    for i, v in enumerate((0, 1, 2, 3, 4, 6, 8, 12)):
-        codes[magnitude == v] = i
-    codes |= torch.signbit(q).to(torch.uint8) << 3
-    return codes.numpy()
 
 
 def _nvfp4_tensor(codes: np.ndarray, group_scales: np.ndarray, g: float, spec: QuantSpec, dtype: str) -> QuantTensor:
@@ -699,53 +390,6 @@ def fit_mxfp4(m: QuantModule, src, request, negotiate) -> tuple[QuantSpec, str |
     if src.scheme == "float":
         return spec, src.requantized(" to MXFP4")
     return spec, f"{src.name} codes become MXFP4"
-
-
-def _round_to_power_2(x):
-    """compressed-tensors' round_to_power_2 (mxfp_utils.py) on a float16 / bfloat16 / float32 tensor: add
-    half of the significand's second bit and keep sign and exponent (a power of two, rounded up from a
-    significand of 1.75 on)."""
-    import torch
-
-    mantissa = {torch.float16: 10, torch.bfloat16: 7, torch.float32: 23}[x.dtype]
-    exponent = {torch.float16: 5, torch.bfloat16: 8, torch.float32: 8}[x.dtype]
-    bits = x.view(torch.int16 if x.dtype != torch.float32 else torch.int32).to(torch.int32)
-    if x.dtype != torch.float32:
-        bits = bits & 0xFFFF
-    mask = ((1 << (exponent + 1)) - 1) << mantissa
-    out = torch.bitwise_and(bits + (1 << (mantissa - 2)), mask)
-    return out.view(torch.float32) if x.dtype == torch.float32 else out.to(torch.uint16).view(x.dtype)
-
-
-def quantize_mxfp4(w: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """(codes uint8 [out, in] e2m1 nibbles, e8m0 exponents uint8 [out, in/32]) of a weight, as
-    llm-compressor's MXFP4A16 oneshot computes them (memoryless_minmax observer, compressed-tensors 0.19
-    calculate_qparams, generate_mx_scales and the mxfp4 compressor), with the same torch operations, in
-    the model dtype:
-
-    * per group of 32: amax = max(|min(lo, 0)|, max(hi, 0)); e = 127 + floor(log2(round_to_power_2(amax)))
-      - 2, clamped to 0..255 and rounded; scale = 2^(e - 127) in the model dtype, 1 (uint8's eps) where
-      that is 0 (float16 holds no power of two under 2^-24: an all-zero group gets 1 there, 2^-127 in
-      bfloat16 and float32);
-    * codes: x / scale in the model dtype, plus the zero point (-0.0 becomes +0.0), rounded to e2m1 as
-      NVFP4's; stored exponents 127 + floor(log2(scale))."""
-    import torch
-
-    tdtype = getattr(torch, dtype) if dtype in _TORCH_DTYPES else torch.float32
-    x = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(tdtype)
-    out, inp = x.shape
-    xg = x.reshape(out, inp // MXFP4_GROUP, MXFP4_GROUP)
-    zero = torch.zeros(1, dtype=tdtype)
-    lo, hi = torch.min(xg.amin(-1), zero), torch.max(xg.amax(-1), zero)
-    amax = torch.max(lo.abs(), hi.abs())
-    e = 127 + torch.floor(torch.log2(_round_to_power_2(amax))) - 2
-    e = torch.round(torch.clamp(e, 0, 255)).to(torch.uint8).to(tdtype)
-    scale = (2.00 ** ((e.to(torch.int32) - 127).to(torch.float))).to(tdtype)
-    scale = torch.where(scale == 0, torch.tensor(1, dtype=tdtype), scale)
-    scaled = xg / scale.unsqueeze(-1)
-    scaled += torch.zeros((), dtype=tdtype)
-    stored = (127 + torch.floor(torch.log2(scale)).to(torch.int32)).to(torch.uint8)
-    return _e2m1_codes(scaled.reshape(out, inp)), stored.numpy()
 
 
 def requantize_mxfp4(source, w: np.ndarray, spec: QuantSpec, settings: Mapping) -> tuple[QuantTensor, QuantTensor]:

@@ -44,7 +44,7 @@ class Family:
     symmetric: Callable | None = None  # (m, qc) -> whether its zero points are 2^(b-1), from headers/config
     rows: int | str = 32             # a row window's ends: multiples of this (or a codec function of m)
     scale_tensor: str | None = None  # its modules' scale tensor (m.name + this), read alone where the
-                                     # data decides a target's scale dtype (convert._kept_scale_dtype)
+                                     # data decides a target's scale dtype (convert/target_spec.py)
     # (m, tensors, qc) -> QuantSpec | FloatSpec: a module's spec where the headers alone do not say it
     # (MLX: integer zero points, or none, decided from its scales and biases); a codec function name.
     # None: convert derives it from the module's headers.
@@ -168,7 +168,7 @@ def decoded_config_methods() -> frozenset:
 @dataclass(frozen=True)
 class Caps:
     """What a target stores without touching codes: the one description spec negotiation
-    (convert._target_spec) fits every source module to. A target with its own fit (Target.fit) fits
+    (convert/target_spec.py) fits every source module to. A target with its own fit (Target.fit) fits
     modules itself; its caps still describe it, and act_order and one_group_size are read for it too."""
     bits: frozenset                  # code widths it stores
     asym: bool = True                # zero points other than 2^(b-1)

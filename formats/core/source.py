@@ -1,7 +1,7 @@
 """A source as the conversions read it: the modules to convert (the source's quantized ones, per-expert
 views of fused experts, or an unquantized model's Linears to quantize data-free), each module's spec from
 headers and config, and its exact float32 weight read a window of rows at a time. Shared by every writer
-(convert/convert.py, gguf/writer.py); nothing here writes."""
+(convert/'s target_spec.py and module_writer.py, gguf/writer.py); nothing here writes."""
 
 from __future__ import annotations
 

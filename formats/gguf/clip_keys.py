@@ -38,130 +38,159 @@ def clip_disagreements(meta: Mapping, shapes: Mapping[str, tuple]) -> list:
     multiple of patch_size; n_wa_pattern at most block_count; is_deepstack_layers one flag per block, set
     where the v.deepstack.L mergers are; image_mean / image_std three finite numbers (std positive); the
     norms' epsilon positive and finite; has_vision_encoder true."""
-    qwen3 = meta.get("clip.projector_type") == "qwen3vl_merger"
-    found: list = []
-    bad: set = set()
+    c = _Clip(meta, shapes)
+    if meta.get("clip.has_vision_encoder") is not True:
+        c.lie("clip.has_vision_encoder", meta.get("clip.has_vision_encoder"), None,
+              "the file holds a vision tower (v.* tensors), which llama.cpp loads only where it is true")
+    _patches(c)
+    _blocks(c)
+    _projector(c)
+    _heads_image_window(c)
+    if c.qwen3:
+        _deepstack_flags(c)
+    _normalization(c)
+    return c.found
 
-    def lie(key: str, value, tensor, what: str) -> None:
-        bad.add(key)
-        found.append(Disagreement((key,), (value,), tensor, what))
 
-    def size(name: str, default=None) -> int | None:
+E, P, F = "clip.vision.embedding_length", "clip.vision.patch_size", "clip.vision.feed_forward_length"
+DEPTH, MERGE = "clip.vision.block_count", "clip.vision.spatial_merge_size"
+
+
+class _Clip:
+    """The keys as sizes (each said wrong once), and their comparisons with the tensors' dimensions."""
+
+    def __init__(self, meta: Mapping, shapes: Mapping[str, tuple]):
+        self.meta, self.shapes = meta, shapes
+        self.qwen3 = meta.get("clip.projector_type") == "qwen3vl_merger"
+        self.found: list = []
+        self.bad: set = set()
+        self.depth, self.hidden, self.ff = self.size("block_count"), self.size("embedding_length"), \
+            self.size("feed_forward_length")
+        self.heads, self.proj = self.size("attention.head_count"), self.size("projection_dim")
+        self.patch, self.image = self.size("patch_size"), self.size("image_size")
+        self.merge = self.size("spatial_merge_size", 2)             # llama.cpp's default for Qwen
+        self.window = self.size("n_wa_pattern") if not self.qwen3 or "clip.vision.n_wa_pattern" in meta else None
+        self.blocks: dict[int, set] = {}
+        for name in shapes:
+            m = _BLOCK.fullmatch(name)
+            if m:
+                self.blocks.setdefault(int(m[1]), set()).add(m[2])
+        self.deepstack = sorted({int(m[1]) for m in map(_DEEPSTACK.match, shapes) if m})
+
+    def lie(self, key: str, value, tensor, what: str) -> None:
+        self.bad.add(key)
+        self.found.append(Disagreement((key,), (value,), tensor, what))
+
+    def size(self, name: str, default=None) -> int | None:
         key = "clip.vision." + name
-        value = meta.get(key, default)
+        value = self.meta.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < _INT_LIMIT:
-            lie(key, value, None, "a size llama.cpp builds the tower with must be a positive integer below 2^31")
+            self.lie(key, value, None, "a size llama.cpp builds the tower with must be a positive integer below 2^31")
             return None
         return value
 
-    def same(keys, values, tensor: str, dim: int, what: str) -> None:
+    def same(self, keys, values, tensor: str, dim: int, what: str) -> None:
         """KEYS (one, or several whose VALUES multiply) against dimension DIM of TENSOR, where it is held."""
-        shape = shapes.get(tensor)
+        shape = self.shapes.get(tensor)
         keys, values = (keys, values) if isinstance(keys, tuple) else ((keys,), (values,))
-        if shape is None or dim >= len(shape) or any(v is None for v in values) or any(k in bad for k in keys):
+        if shape is None or dim >= len(shape) or any(v is None for v in values) or any(k in self.bad for k in keys):
             return
         want = math.prod(values)
         if shape[dim] != want:
-            bad.update(keys)
-            found.append(Disagreement(keys, values, tensor, f"has {shape[dim]} {what}"))
+            self.bad.update(keys)
+            self.found.append(Disagreement(keys, values, tensor, f"has {shape[dim]} {what}"))
 
-    if meta.get("clip.has_vision_encoder") is not True:
-        lie("clip.has_vision_encoder", meta.get("clip.has_vision_encoder"), None,
-            "the file holds a vision tower (v.* tensors), which llama.cpp loads only where it is true")
-    E, P, F = "clip.vision.embedding_length", "clip.vision.patch_size", "clip.vision.feed_forward_length"
-    depth, hidden, ff = size("block_count"), size("embedding_length"), size("feed_forward_length")
-    heads, proj, patch, image = size("attention.head_count"), size("projection_dim"), size("patch_size"), \
-        size("image_size")
-    merge = size("spatial_merge_size", 2)             # llama.cpp's default for Qwen
-    window = size("n_wa_pattern") if not qwen3 or "clip.vision.n_wa_pattern" in meta else None
 
+def _patches(c: _Clip) -> None:
     for name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):       # [hidden, 3, p, p]
-        shape = shapes.get(name)
+        shape = c.shapes.get(name)
         if shape is None or len(shape) != 4:
             continue
-        same(E, hidden, name, 0, "output channels")
-        if patch is not None and P not in bad and (shape[2], shape[3]) != (patch, patch):
-            lie(P, patch, name, f"has patches of {shape[2]} x {shape[3]} pixels")
-    same(E, hidden, "v.patch_embd.bias", 0, "elements")
-    same(E, hidden, "v.position_embd.weight", 1, "columns")
+        c.same(E, c.hidden, name, 0, "output channels")
+        if c.patch is not None and P not in c.bad and (shape[2], shape[3]) != (c.patch, c.patch):
+            c.lie(P, c.patch, name, f"has patches of {shape[2]} x {shape[3]} pixels")
+    c.same(E, c.hidden, "v.patch_embd.bias", 0, "elements")
+    c.same(E, c.hidden, "v.position_embd.weight", 1, "columns")
 
-    blocks: dict[int, set] = {}
-    for name in shapes:
-        m = _BLOCK.fullmatch(name)
-        if m:
-            blocks.setdefault(int(m[1]), set()).add(m[2])
-    if depth is not None:
-        have = sorted(blocks)
-        missing = next((i for i in range(depth) if i not in blocks), None)      # lazily: depth may be 2^31 - 1
+
+def _blocks(c: _Clip) -> None:
+    if c.depth is not None:
+        have = sorted(c.blocks)
+        missing = next((i for i in range(c.depth) if i not in c.blocks), None)     # lazily: may be 2^31 - 1
         if not have:
-            lie("clip.vision.block_count", depth, None, "the file holds no v.blk.N tensors")
-        elif missing is not None or have[-1] >= depth:
-            lie("clip.vision.block_count", depth, None,
-                f"the tensors hold {len(have)} blocks (v.blk.{have[0]} .. v.blk.{have[-1]}"
-                + (f", block {missing} missing)" if missing is not None else ")"))
-    for n in sorted(blocks):
+            c.lie(DEPTH, c.depth, None, "the file holds no v.blk.N tensors")
+        elif missing is not None or have[-1] >= c.depth:
+            c.lie(DEPTH, c.depth, None, f"the tensors hold {len(have)} blocks (v.blk.{have[0]} .. v.blk.{have[-1]}"
+                  + (f", block {missing} missing)" if missing is not None else ")"))
+    hidden, ff = c.hidden, c.ff
+    for n in sorted(c.blocks):
         p = f"v.blk.{n}."
-        if qwen3:
-            same((E, "q, k and v"), (hidden, 3), p + "attn_qkv.weight", 0, "rows")
-            same(E, hidden, p + "attn_qkv.weight", 1, "columns")
-        for x in "qkv":
-            same(E, hidden, p + f"attn_{x}.weight", 0, "rows")
-            same(E, hidden, p + f"attn_{x}.weight", 1, "columns")
-        same(E, hidden, p + "attn_out.weight", 0, "rows")
-        same(E, hidden, p + "attn_out.weight", 1, "columns")
+        if c.qwen3:
+            c.same((E, "q, k and v"), (hidden, 3), p + "attn_qkv.weight", 0, "rows")
+            c.same(E, hidden, p + "attn_qkv.weight", 1, "columns")
+        for leaf in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_out.weight"):
+            c.same(E, hidden, p + leaf, 0, "rows")
+            c.same(E, hidden, p + leaf, 1, "columns")
         for norm in ("ln1.weight", "ln2.weight"):
-            same(E, hidden, p + norm, 0, "elements")
+            c.same(E, hidden, p + norm, 0, "elements")
         for leaf in ("ffn_gate.weight", "ffn_up.weight"):
-            same(F, ff, p + leaf, 0, "rows")
-            same(E, hidden, p + leaf, 1, "columns")
-        same(E, hidden, p + "ffn_down.weight", 0, "rows")
-        same(F, ff, p + "ffn_down.weight", 1, "columns")
-    same(E, hidden, "v.post_ln.weight", 0, "elements")
+            c.same(F, ff, p + leaf, 0, "rows")
+            c.same(E, hidden, p + leaf, 1, "columns")
+        c.same(E, hidden, p + "ffn_down.weight", 0, "rows")
+        c.same(F, ff, p + "ffn_down.weight", 1, "columns")
+    c.same(E, hidden, "v.post_ln.weight", 0, "elements")
 
-    merged = ((E, "clip.vision.spatial_merge_size", "clip.vision.spatial_merge_size"), (hidden, merge, merge))
-    deepstack = sorted({int(m[1]) for m in map(_DEEPSTACK.match, shapes) if m})
-    same(*merged, "mm.0.weight", 1, "columns")
-    same("clip.vision.projection_dim", proj, "mm.2.weight", 0, "rows")
-    for i in deepstack:
-        same(*merged, f"v.deepstack.{i}.fc1.weight", 1, "columns")
-        same("clip.vision.projection_dim", proj, f"v.deepstack.{i}.fc2.weight", 0, "rows")
 
-    if heads is not None and hidden is not None and E not in bad:
+def _projector(c: _Clip) -> None:
+    merged = ((E, MERGE, MERGE), (c.hidden, c.merge, c.merge))
+    c.same(*merged, "mm.0.weight", 1, "columns")
+    c.same("clip.vision.projection_dim", c.proj, "mm.2.weight", 0, "rows")
+    for i in c.deepstack:
+        c.same(*merged, f"v.deepstack.{i}.fc1.weight", 1, "columns")
+        c.same("clip.vision.projection_dim", c.proj, f"v.deepstack.{i}.fc2.weight", 0, "rows")
+
+
+def _heads_image_window(c: _Clip) -> None:
+    heads, hidden = c.heads, c.hidden
+    if heads is not None and hidden is not None and E not in c.bad:
         if hidden % heads:
-            lie("clip.vision.attention.head_count", heads, None, f"that does not divide {E} ({hidden})")
+            c.lie("clip.vision.attention.head_count", heads, None, f"that does not divide {E} ({hidden})")
         elif (hidden // heads) % 4:
-            lie("clip.vision.attention.head_count", heads, None,
-                f"that leaves {hidden // heads} of {E} ({hidden}) a head, not a multiple of 4 (the vision "
-                f"rotary embedding's four sections)")
-    if image is not None and patch is not None and P not in bad and image % patch:
-        lie("clip.vision.image_size", image, None, f"that is not a multiple of {P} ({patch})")
-    if window is not None and depth is not None and "clip.vision.block_count" not in bad and window > depth:
-        lie("clip.vision.n_wa_pattern", window, None,
-            f"that is more than clip.vision.block_count ({depth}): a window pattern longer than the tower")
-    if qwen3:
-        key, flags = "clip.vision.is_deepstack_layers", meta.get("clip.vision.is_deepstack_layers")
-        count = flags.count if isinstance(flags, Elided) else None     # a long array (inspect): its length only
-        if count is None and not (isinstance(flags, list) and all(isinstance(f, bool) for f in flags)):
-            lie(key, flags, None, "it must be a list of flags, one per vision block")
-        elif depth is not None and "clip.vision.block_count" not in bad \
-                and (len(flags) if count is None else count) != depth:
-            lie(key, flags, None, f"that is {len(flags) if count is None else count} flags, not one for each of "
-                                  f"clip.vision.block_count ({depth}) blocks")
-        elif count is None and [i for i, f in enumerate(flags) if f] != deepstack:
-            lie(key, flags, None, "the tensors hold the deepstack mergers "
-                + (", ".join(f"v.deepstack.{i}" for i in deepstack) or "of no layer"))
+            c.lie("clip.vision.attention.head_count", heads, None,
+                  f"that leaves {hidden // heads} of {E} ({hidden}) a head, not a multiple of 4 (the vision "
+                  f"rotary embedding's four sections)")
+    if c.image is not None and c.patch is not None and P not in c.bad and c.image % c.patch:
+        c.lie("clip.vision.image_size", c.image, None, f"that is not a multiple of {P} ({c.patch})")
+    if c.window is not None and c.depth is not None and DEPTH not in c.bad and c.window > c.depth:
+        c.lie("clip.vision.n_wa_pattern", c.window, None,
+              f"that is more than {DEPTH} ({c.depth}): a window pattern longer than the tower")
+
+
+def _deepstack_flags(c: _Clip) -> None:
+    key, flags = "clip.vision.is_deepstack_layers", c.meta.get("clip.vision.is_deepstack_layers")
+    count = flags.count if isinstance(flags, Elided) else None     # a long array (inspect): its length only
+    if count is None and not (isinstance(flags, list) and all(isinstance(f, bool) for f in flags)):
+        c.lie(key, flags, None, "it must be a list of flags, one per vision block")
+    elif c.depth is not None and DEPTH not in c.bad and (len(flags) if count is None else count) != c.depth:
+        c.lie(key, flags, None, f"that is {len(flags) if count is None else count} flags, not one for each of "
+                                f"{DEPTH} ({c.depth}) blocks")
+    elif count is None and [i for i, f in enumerate(flags) if f] != c.deepstack:
+        c.lie(key, flags, None, "the tensors hold the deepstack mergers "
+              + (", ".join(f"v.deepstack.{i}" for i in c.deepstack) or "of no layer"))
+
+
+def _normalization(c: _Clip) -> None:
     for name in ("image_mean", "image_std"):
-        key, value = f"clip.vision.{name}", meta.get(f"clip.vision.{name}")
+        key, value = f"clip.vision.{name}", c.meta.get(f"clip.vision.{name}")
         if not isinstance(value, list) or len(value) != 3 or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value) \
                 or (name == "image_std" and not all(v > 0 for v in value)):
-            lie(key, value, None, "an image is normalized by three finite numbers, one per RGB channel"
-                + (", each positive" if name == "image_std" else ""))
+            c.lie(key, value, None, "an image is normalized by three finite numbers, one per RGB channel"
+                  + (", each positive" if name == "image_std" else ""))
     key = "clip.vision.attention.layer_norm_epsilon"
-    eps = meta.get(key)
+    eps = c.meta.get(key)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
-        lie(key, eps, None, "a norm's epsilon must be a positive finite number")
-    return found
+        c.lie(key, eps, None, "a norm's epsilon must be a positive finite number")
 
 
 def checked(meta: Mapping, shapes: Mapping[str, tuple], projector: str, path: Path) -> None:

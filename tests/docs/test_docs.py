@@ -264,7 +264,7 @@ def test_relative_links_point_at_files_and_headings_that_exist(page):
     assert not bad, f"{_rel(page)}: " + "; ".join(bad)
 
 
-_REPO_PATH = re.compile(r"^(?:bin|tests|benchmarks|fixtures|docs|formats|convert|\.ci)/[\w./-]*"
+_REPO_PATH = re.compile(r"^(?:bin|tests|benchmarks|fixtures|docs|formats|convert|validation|\.ci)/[\w./-]*"
                         r"(?:::\w+)?$|^[\w-]+\.(?:txt|toml)$")
 
 
@@ -287,7 +287,8 @@ def test_repository_paths_named_in_code_exist(page):
 def test_layout_names_every_module_and_only_modules_that_exist():
     layout = (ROOT / "docs" / "layout.md").read_text()
     named = set(re.findall(r"`([\w]+\.py)`", layout))
-    sources = [*ROOT.glob("*.py"), *(ROOT / "convert").glob("*.py"), *(ROOT / "formats").rglob("*.py")]
+    sources = [*ROOT.glob("*.py"), *(ROOT / "convert").glob("*.py"), *(ROOT / "validation").glob("*.py"),
+               *(ROOT / "formats").rglob("*.py")]
     modules = {p.name for p in sources}
     assert named <= modules, f"docs/layout.md names modules that do not exist: {named - modules}"
     for p in sorted(p for p in sources if p.parent != ROOT and p.name != "__init__.py"):
@@ -534,7 +535,7 @@ def test_validate_page_quotes_the_bounds_validate_help_states():
 
 
 def test_validate_defaults_and_figures_are_the_codes():
-    v = {**_constants(ROOT / "validation.py"), **_constants(ROOT / "formats" / "core" / "reader.py")}
+    v = {**_constants(ROOT / "validation" / "__init__.py"), **_constants(ROOT / "formats" / "core" / "reader.py")}
     params = {p.name: p for p in cli.commands["validate"].params}
     text = "\n".join(p.read_text() for p in PAGES)
     figures = {

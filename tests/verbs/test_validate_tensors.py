@@ -1,6 +1,6 @@
 """validate accounts for every tensor, not only the Linears (issue 20, item 2): biases, norms and every
 other tensor are compared exactly, or within the rounding their dtype change implies, and anything on
-one side only is reported and fails (validate_tensors.py)."""
+one side only is reported and fails (validation/tensors.py)."""
 
 import json
 

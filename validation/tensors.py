@@ -1,6 +1,6 @@
 """validate's account of every tensor that is not a Linear weight: biases, norms, rotary buffers, conv
 weights of vision towers, position ids, anything a checkpoint holds besides its Linears (which
-validation.py compares by matmul equivalence) and their quantization state.
+validation/__init__.py compares by matmul equivalence) and their quantization state.
 
 A release script reads validate's exit 0 as "the two checkpoints compute the same thing", so each such
 tensor is accounted for:
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .formats.core.layout import natural_key
-from .formats.storage.safetensors_header import FLOAT_DTYPES, TensorInfo
-from .formats.storage.tensor_io import convert_float, read_array, to_float32
+from ..formats.core.layout import natural_key
+from ..formats.storage.safetensors_header import FLOAT_DTYPES, TensorInfo
+from ..formats.storage.tensor_io import convert_float, read_array, to_float32
 
 UNIT_ROUNDOFF = {"F16": 2.0**-11, "BF16": 2.0**-8, "F32": 2.0**-24, "F64": 2.0**-53}
 HALF_SUBNORMAL = {"F16": 2.0**-25, "BF16": 2.0**-134, "F32": 2.0**-150, "F64": 0.0}
