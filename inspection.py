@@ -32,11 +32,40 @@ def inspect_path(path: str | Path) -> dict:
 def inspect_component(comp: Component) -> dict:
     det = detect(comp)
     warnings: list[str] = list(comp.warnings) + list(det.warnings)
-    tensors = comp.tensors
-    qc, qc_source, cfg_method, method = det.qc, det.qc_source, det.cfg_method, det.method
+    tensors, qc, cfg_method = comp.tensors, det.qc, det.cfg_method
     modules = list(det.modules)
 
-    # Config against tensors.
+    _config_warnings(det, modules, warnings)
+    _module_warnings(comp, modules, warnings)
+    state = det.state_tensors
+    orphans = _unaccounted_warnings(det.unaccounted, tensors, warnings)
+    if orphans:
+        state |= set(orphans)
+    counts = _counts(tensors, modules, state, det.claimed_tensors)
+
+    all_modules = {module_of(t) for t in tensors}
+    if qc is not None:
+        for dialect in dialects_for(cfg_method):
+            dialect.lint(qc, modules, all_modules, comp, warnings)
+    report: dict = {"component": comp.name, "method": det.method, **_family_settings(qc, cfg_method, modules)}
+    experts = _experts(modules)
+    if experts:
+        report["experts"] = experts
+    report.update(counts)
+    report.update({
+        "tensors": len(tensors),
+        "files": [f.name if comp.path.is_file() else str(f.relative_to(comp.path)) for f in comp.files],
+        "bytes_on_disk": comp.bytes_on_disk,
+        "config": det.qc_source,
+        "warnings": warnings,
+    })
+    return report
+
+
+def _config_warnings(det, modules, warnings: list[str]) -> None:
+    """The quantization config against the tensors: missing, naming a method no tensor holds, or
+    another family than the tensors'."""
+    qc, qc_source, cfg_method, method = det.qc, det.qc_source, det.cfg_method, det.method
     if qc is None and modules:
         warnings.append(f"tensors are quantized ({method}) but there is no quantization_config: "
                         f"loaders will treat the packed tensors as plain weights")
@@ -50,6 +79,11 @@ def inspect_component(comp: Component) -> dict:
             warnings.append(f"{qc_source} says {METHOD_NAMES[cfg_method]} but the tensors hold "
                             f"{', '.join(METHOD_NAMES[f] for f in sorted(found - expected))}")
 
+
+def _module_warnings(comp: Component, modules, warnings: list[str]) -> None:
+    """The modules' own problems (one line per problem), activation scales the config contradicts, and
+    where the config's shapes disagree with the tensors'."""
+    tensors = comp.tensors
     problems = defaultdict(list)
     for m in modules:
         for p in m.problems:
@@ -60,29 +94,53 @@ def inspect_component(comp: Component) -> dict:
     if contradicted:              # every writing verb refuses these (activation.check)
         warnings.append(f"{len(contradicted)} activation scales contradict the config "
                         f"({_examples(t for t, _ in contradicted)}); {contradicted[0][0]}: {contradicted[0][1]}")
-
     warnings += [f"config and tensors disagree: {d.message(key_namer(comp.config, comp.config_names))}"
                  for d in disagreements(comp.config, logical_shapes(tensors, modules))]
-    state = det.state_tensors
-    claimed = det.claimed_tensors
-    unscaled = [t for t in det.unaccounted if tensors[t].dtype == "I8" and t.endswith(".weight")
+
+
+def _unaccounted_warnings(unaccounted, tensors, warnings: list[str]) -> list[str]:
+    """Warn of quantization tensors no module claims: int8 weights without their SCB scale, and the
+    rest (returned: the orphans, which count as state, not parameters)."""
+    unscaled = [t for t in unaccounted if tensors[t].dtype == "I8" and t.endswith(".weight")
                 and module_of(t) + ".SCB" not in tensors]
     if unscaled:
         warnings.append(f"{len(unscaled)} int8 weights have no SCB scale tensor, so they cannot be "
                         f"dequantized ({_examples(module_of(t) for t in unscaled)})")
-    orphans = [t for t in det.unaccounted if t not in unscaled]
+    orphans = [t for t in unaccounted if t not in unscaled]
     if orphans:
         warnings.append(f"{len(orphans)} quantization tensors belong to no quantized module "
                         f"({_examples(orphans)}); qconv will not convert this folder")
-        state |= set(orphans)
+    return orphans
 
+
+def _counts(tensors, modules, state: set[str], claimed: set[str]) -> dict:
+    """The report's counts: parameters (state tensors left out) and tensors by dtype, per scheme the
+    quantized modules, their parameters and bits per weight, and the totals."""
     parameter_dtypes: dict[str, int] = defaultdict(int)
     tensor_dtypes: dict[str, int] = defaultdict(int)
     for t, info in tensors.items():
         tensor_dtypes[info.torch_dtype] += info.numel
         if t not in state:
             parameter_dtypes[info.torch_dtype] += info.numel
+    quantized_modules, quantized_parameters, quantized_bytes = _quantized(tensors, modules)
+    schemes = sorted(quantized_modules, key=natural_key)
+    logical = sum(quantized_parameters.values()) + sum(
+        tensors[t].numel for t in tensors if t not in claimed and t not in state)
+    tensor_bytes = sum(i.nbytes for i in tensors.values())
+    return {
+        "parameter_dtypes": dict(sorted(parameter_dtypes.items())),
+        "tensor_dtypes": dict(sorted(tensor_dtypes.items())),
+        "quantized_modules": {s: quantized_modules[s] for s in schemes},
+        "quantized_parameters": {s: quantized_parameters[s] for s in schemes},
+        "quantized_bits_per_weight": {s: round(8 * quantized_bytes[s] / quantized_parameters[s], 3)
+                                      for s in schemes if quantized_parameters[s]},
+        "logical_parameters": logical,
+        "bits_per_weight": round(8 * tensor_bytes / logical, 3) if logical else None,
+    }
 
+
+def _quantized(tensors, modules) -> tuple[dict[str, list[str]], dict[str, int], dict[str, int]]:
+    """Per scheme: the module names, their logical parameters, and their stored bytes."""
     quantized_modules: dict[str, list[str]] = defaultdict(list)
     quantized_parameters: dict[str, int] = defaultdict(int)
     quantized_bytes: dict[str, int] = defaultdict(int)
@@ -93,42 +151,17 @@ def inspect_component(comp: Component) -> dict:
         own = [t for t in m.weight_tensors + m.state_tensors if t not in counted]
         counted.update(own)
         quantized_bytes[m.scheme] += sum(tensors[t].nbytes for t in own)
-    schemes = sorted(quantized_modules, key=natural_key)
+    return quantized_modules, quantized_parameters, quantized_bytes
 
-    all_modules = {module_of(t) for t in tensors}
-    if qc is not None:
-        for dialect in dialects_for(cfg_method):
-            dialect.lint(qc, modules, all_modules, comp, warnings)
-    # Each family's own settings, the config's where that family's dialect wrote it.
+
+def _family_settings(qc, cfg_method, modules) -> dict:
+    """Each family's own settings, the config's where that family's dialect wrote it."""
     settings: dict = {}
     for f in families():
         own = [m for m in modules if m.family == f.name]
-        if own and f.settings is not None:
+        if own:
             settings.update(f.settings(qc if cfg_method in f.config_methods else None, own))
-
-    logical = sum(quantized_parameters.values()) + sum(
-        tensors[t].numel for t in tensors if t not in claimed and t not in state)
-    tensor_bytes = sum(i.nbytes for i in tensors.values())
-    report: dict = {"component": comp.name, "method": method, **settings}
-    experts = _experts(modules)
-    if experts:
-        report["experts"] = experts
-    report["parameter_dtypes"] = dict(sorted(parameter_dtypes.items()))
-    report.update({
-        "tensor_dtypes": dict(sorted(tensor_dtypes.items())),
-        "quantized_modules": {s: quantized_modules[s] for s in schemes},
-        "quantized_parameters": {s: quantized_parameters[s] for s in schemes},
-        "quantized_bits_per_weight": {s: round(8 * quantized_bytes[s] / quantized_parameters[s], 3)
-                                      for s in schemes if quantized_parameters[s]},
-        "logical_parameters": logical,
-        "bits_per_weight": round(8 * tensor_bytes / logical, 3) if logical else None,
-        "tensors": len(tensors),
-        "files": [f.name if comp.path.is_file() else str(f.relative_to(comp.path)) for f in comp.files],
-        "bytes_on_disk": comp.bytes_on_disk,
-        "config": qc_source,
-        "warnings": warnings,
-    })
-    return report
+    return settings
 
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.")

@@ -35,6 +35,7 @@ from ..formats.core.registry import WriteContext, file_target, target as registe
 from ..formats.storage.checkpoint import Component
 from .dequantize import dequantize_component
 from .engine import DEFAULT_MAX_SHARD, OutTensor, made_warnings, passthrough, run, write_component
+from .sink import FolderSink
 from ..formats.core.options import FLOAT_TARGETS
 from ..formats.core.request import Options
 from .module_writer import Writing, _module_writer, _ModuleCache, _Stream  # noqa: F401 - tests patch _Stream here
@@ -55,7 +56,7 @@ def _quant_config(comp: Component, opts: Options, specs: dict[str, QuantSpec], d
     src_qc = comp.config.get("quantization_config") if comp.config else None
     unquantized = tuple(n for n in linear_modules(comp) if n not in specs)
     try:
-        return registered_target(opts.to).config(WriteContext(specs, unquantized, desc_act, src_qc,
+        return registered_target(opts.to).quantization_config(WriteContext(specs, unquantized, desc_act, src_qc,
                                                               settings or {}, requantized))
     except NotStorable as exc:
         raise UnsupportedFormat(f"cannot be written as {opts.to}: {exc}", file=comp.path) from None
@@ -84,7 +85,7 @@ def _check_block_size(comp: Component, modules: list[QuantModule], opts: Options
     the config's weight_block_size would describe blocks the checkpoint does not hold (transformers'
     kernels and its dequantization are sized by it). One larger than some modules only is a partial
     block, as the producers allow: one block over those modules' rows or columns."""
-    block = opts.block_size
+    block = opts.get("block_size")
     if not isinstance(block, tuple) or len(block) != 2 or not modules:
         return
     rows = max(m.out_features // m.experts if m.experts else m.out_features for m in modules)
@@ -130,27 +131,24 @@ def _plan(comp: Component, opts: Options) -> _Planned:
             act_order_kept.append(m.name)
         settings[m.name], writers[m.name] = _module_writer(writing, m, spec, with_g_idx, lossy, src_spec)
     tgt = registered_target(opts.to)
-    if tgt.share is not None:
-        try:
-            settings = tgt.share(settings)
-        except NotStorable as exc:
-            raise UnsupportedFormat(f"cannot be written as {opts.to}: {exc}", file=comp.path) from None
+    try:
+        settings = tgt.share(settings)
+    except NotStorable as exc:
+        raise UnsupportedFormat(f"cannot be written as {opts.to}: {exc}", file=comp.path) from None
     for m in modules:
         for t in writers[m.name](settings[m.name]):
             outputs[t.name] = t
     for name, info in comp.tensors.items():
         if name not in claimed:
             outputs[name] = passthrough(info)
-    if tgt.arrange is not None:                 # as its loaders name and shape them (MLX: stacked experts)
-        try:
-            outputs = tgt.arrange(outputs)
-        except NotStorable as exc:
-            raise UnsupportedFormat(f"cannot be written as {opts.to}: {exc}", file=comp.path) from None
+    try:                                        # as its loaders name and shape them (MLX: stacked experts)
+        outputs = tgt.arrange(outputs)
+    except NotStorable as exc:
+        raise UnsupportedFormat(f"cannot be written as {opts.to}: {exc}", file=comp.path) from None
     config = without_quantization(comp.config) if comp.config is not None else {}
     config["quantization_config"] = _quant_config(comp, opts, specs, bool(act_order_kept), settings,
                                                   frozenset(n for n, why in lossy_of.items() if why))
-    if tgt.model_config is not None:            # the keys its loaders read beyond quantization_config
-        config = tgt.model_config(config)
+    config = tgt.model_config(config)           # the keys its loaders read beyond quantization_config
     return _Planned(det, modules, opts, outputs, config, tally)
 
 
@@ -255,10 +253,11 @@ def check_results(written, *, samples: int = 32, seed: int = 0) -> list[dict]:
 def convert(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
             max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False, jobs: int = 1) -> dict:
     own = file_target(opts.to)
-    if own is not None:                         # one file, not a folder: its family's writer (gguf/writer.py)
-        return own.convert(src, dst, opts, overwrite=overwrite, max_shard_size=max_shard_size, validate=validate,
-                           jobs=jobs)
-    if opts.to not in TARGETS:
+    if own is not None:                         # one file, not a folder: its family's sink (gguf/sink.py)
+        sink = own.sink(opts, max_shard=max_shard_size, jobs=jobs, validate=validate)
+    elif opts.to in TARGETS:
+        sink = FolderSink(lambda comp, out: convert_component(comp, out, opts, max_shard_size, jobs),
+                          check_results if validate else None)
+    else:
         raise ValueError(opts.to)
-    return run(src, dst, lambda comp, out: convert_component(comp, out, opts, max_shard_size, jobs),
-               overwrite=overwrite, check=check_results if validate else None)
+    return run(src, dst, sink, overwrite=overwrite)

@@ -21,6 +21,7 @@ from ..formats.core.source import finite_rows, where_of
 from ..formats.core.registry import family
 from ..formats.storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, all_finite, encode_float
 from .engine import DEFAULT_MAX_SHARD, OutTensor, made_warnings, ordered, passthrough, run, write_component
+from .sink import FolderSink
 from .parallel import Replan
 
 
@@ -107,5 +108,5 @@ def dequantize_component(comp: Component, out_dir: Path, dtype: str | None, max_
 
 def dequantize(src: Path, dst: Path, *, dtype: str | None = None, overwrite: bool = False,
                max_shard_size: int = DEFAULT_MAX_SHARD, jobs: int = 1) -> dict:
-    return run(src, dst, lambda comp, out: dequantize_component(comp, out, dtype, max_shard_size, jobs),
+    return run(src, dst, FolderSink(lambda comp, out: dequantize_component(comp, out, dtype, max_shard_size, jobs)),
                overwrite=overwrite)

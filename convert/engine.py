@@ -1,15 +1,16 @@
-"""The machinery every conversion shares: plan the output tensors from headers, write them shard by
-shard as they are produced, copy the other files, and stage it all atomically (formats/storage/staging.py).
+"""The machinery every conversion shares: ``run``, the one path every target takes (open, check, stage,
+write each component into its sink, read back, publish atomically through formats/storage/staging.py,
+report; the sink is sink.py's: a folder, or a one-file container its family provides), and a folder's
+writing: the output tensors planned from headers, written shard by shard as they are produced, the
+other files copied.
 
-A conversion supplies, per component, the list of ``OutTensor``s (name, dtype, shape, and a producer
-of its bytes, slab by slab) and the new config; this module does the rest the same way for all.
+A folder conversion supplies, per component, the list of ``OutTensor``s (name, dtype, shape, and a
+producer of its bytes, slab by slab) and the new config; write_component does the rest the same way for all.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -19,15 +20,14 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from ..errors import CorruptCheckpoint, UnsupportedFormat
-from ..formats.storage.checkpoint import (QUANT_CONFIG_FILES, Component, SourceRoot, is_pickle, listing, open_target,
-                                  plain_name)
-from ..formats.core.reader import require_decodable
-from ..formats.storage.safetensors_header import FLOAT_DTYPES, TensorInfo, open_regular
+from ..formats.storage.checkpoint import Component, open_target
+from ..formats.storage.safetensors_header import FLOAT_DTYPES, TensorInfo
 from ..formats.storage.safetensors_writer import DEFAULT_MAX_SHARD, ShardWriter, index_json, plan_shards  # noqa: F401
 from ..formats.storage.tensor_io import plain_chunks
 from ..progress import report
 from .parallel import Replan, threads, write_shards
+from .sink import (CopyPlan, FolderSink, Sink, carry, copy_file, copy_other_files, plan_other_files,  # noqa: F401
+                   plan_pipeline_copies)
 from ..formats.storage.staging import staged_output, test_hook
 
 
@@ -85,100 +85,6 @@ def weights_base(comp: Component) -> str:
         return "model"
     stem = comp.files[0].name[: -len(".safetensors")]
     return stem.split("-00")[0] if "-of-" in stem else stem
-
-
-# What is carried from SRC into DST besides the converted weights. Every file is copied by content
-# (never as a link) from a path SourceRoot.check accepted: a regular file inside SRC (or a blob of
-# the Hugging Face cache repository SRC is a snapshot of); a link out of SRC, a broken link, a FIFO,
-# socket or device is refused before anything is written. Pickles are never carried: each one left
-# out is named in the summary's warnings. Outputs are created with O_EXCL | O_NOFOLLOW, so nothing is
-# ever written through a link.
-
-@dataclass
-class CopyPlan:
-    files: list[tuple[Path, str]]            # (source file, path relative to the output folder)
-    folders: list[str]                       # relative output folders to create, parents first
-    left_out: list[str]                      # pickles not carried, relative to the source folder
-
-
-def _is_own_file(name: str) -> bool:
-    """Files of a converted folder that qconv writes itself (weights, index, config) or drops (the
-    stand-alone quant configs, replaced by config.json's)."""
-    return name == "config.json" or name.endswith((".safetensors", ".safetensors.index.json")) \
-        or name in QUANT_CONFIG_FILES
-
-
-def plan_other_files(folder: Path, root: SourceRoot | None = None) -> CopyPlan:
-    """The top-level files of a converted model folder to carry along (subfolders are not)."""
-    root = root or SourceRoot.of(folder)
-    plan = CopyPlan([], [], [])
-    for p in listing(folder):
-        if _is_own_file(p.name):
-            continue
-        if is_pickle(p.name):
-            plan.left_out.append(p.name)
-        elif not p.is_dir() and root.check(p) == "file":
-            plan.files.append((p, p.name))
-    return plan
-
-
-def _plan_tree(folder: Path, rel: str, root: SourceRoot, plan: CopyPlan, seen: frozenset) -> None:
-    real = os.path.realpath(folder)
-    if real in seen:
-        raise CorruptCheckpoint("is a link to a folder that contains it (a loop); refusing to follow it",
-                                file=folder)
-    plan.folders.append(rel)
-    for p in listing(folder):
-        sub = f"{rel}/{p.name}"
-        if is_pickle(p.name):
-            plan.left_out.append(sub)
-            continue
-        kind = root.check(p)
-        if kind == "dir":
-            _plan_tree(p, sub, root, plan, seen | {real})
-        elif kind == "file":
-            plan.files.append((p, sub))
-
-
-def plan_pipeline_copies(src: Path, root: SourceRoot, converted: set[str]) -> CopyPlan:
-    """Everything of a pipeline but its converted components: files and whole folders, by content."""
-    plan = CopyPlan([], [], [])
-    for p in listing(src):
-        if p.name in converted:
-            continue
-        if is_pickle(p.name):
-            plan.left_out.append(p.name)
-            continue
-        kind = root.check(p)
-        if kind == "dir":
-            _plan_tree(p, p.name, root, plan, frozenset({os.path.realpath(src)}))
-        elif kind == "file":
-            plan.files.append((p, p.name))
-    return plan
-
-
-def copy_file(src: Path, dst: Path) -> None:
-    """Copy the content of regular file ``src`` to the new file ``dst`` (never through a link)."""
-    with open_regular(src) as fin:
-        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-                     | getattr(os, "O_CLOEXEC", 0), 0o666)
-        with os.fdopen(fd, "wb") as fout:
-            shutil.copyfileobj(fin, fout, 1 << 20)
-
-
-def carry(plan: CopyPlan, out: Path) -> None:
-    for rel in plan.folders:
-        os.mkdir(out / rel)
-    for src, rel in plan.files:
-        copy_file(src, out / rel)
-
-
-def copy_other_files(src: Path, dst: Path, root: SourceRoot | None = None) -> list[str]:
-    """Every top-level file but the weights, the index, config.json (rewritten), stand-alone quant
-    configs (replaced by config.json's) and pickles (never carried along)."""
-    plan = plan_other_files(src, root)
-    carry(plan, dst)
-    return [rel for _, rel in plan.files]
 
 
 def _left_out_warning(names: list[str]) -> str:
@@ -251,49 +157,33 @@ def write_component(comp: Component, out_dir: Path, tensors: list[OutTensor], co
             "copied": [rel for _, rel in carried.files] + sorted(made), "left_out": carried.left_out}
 
 
-def _output_folder(tmp: Path, comp: Component) -> Path:
-    """A pipeline component's output folder: a plain name, so it stays inside the staging folder."""
-    if not plain_name(comp.name):
-        raise CorruptCheckpoint(f"component {comp.name!r} is not a plain folder name; refusing to write "
-                                f"it", file=comp.path)
-    return tmp / comp.name
-
-
-def run(src: Path, dst: Path, convert_component: Callable[[Component, Path], dict], *,
-        overwrite: bool, check: Callable[[list[tuple[Component, Path, dict]]], None] | None = None) -> dict:
-    """Open SRC, convert each quantized component into a staged DST (a plain model folder is one
-    component; a pipeline's unquantized components are copied as they are), then publish DST.
-    Everything that will be read or copied is checked before DST is touched."""
+def run(src: Path, dst: Path, sink: Sink, *, overwrite: bool) -> dict:
+    """Every target's one path: open SRC, take the components the sink writes (a pipeline's unquantized
+    components and other files are carried as they are), check everything that will be read, copied or
+    replaced before DST is touched, then write each component into the staged DST, read the result back
+    where asked (before the rename: a result that fails never reaches DST), publish, report."""
     src, dst = Path(src), Path(dst)
+    sink.destination(src, dst)
     target = open_target(src)
     t0 = time.monotonic()
-    if target.kind == "pipeline":
-        # every component is checked: a float one with stray quantization data is refused, not copied
-        todo = [c for c in target.components if require_decodable(c).modules]
-        if not todo:
-            raise UnsupportedFormat("no component of this pipeline is quantized; there is nothing to "
-                                    "convert or dequantize", file=src)
-        pipeline_plan = plan_pipeline_copies(src, target.root, {c.name for c in todo})
-    else:
-        todo, pipeline_plan = list(target.components), CopyPlan([], [], [])
+    todo, copied = sink.components(target, src)
+    copied = copied or CopyPlan([], [], [])
     for comp in todo:                        # refuse a bad file before any work, not after it
-        if comp.path.is_dir():
-            plan_other_files(comp.path, comp.root)
-    with staged_output(src, dst, overwrite=overwrite) as tmp:
+        sink.ready(comp, dst)
+    with staged_output(src, dst, overwrite=overwrite, files=sink.files) as tmp:
         reports, written = [], []
         for comp in todo:
-            out = _output_folder(tmp, comp) if target.kind == "pipeline" else tmp
-            report = convert_component(comp, out)
+            out = sink.place(tmp, comp, dst, target.kind == "pipeline")
+            report = sink.write(comp, out)
             if report.get("left_out"):
                 report.setdefault("warnings", []).append(_left_out_warning(report["left_out"]))
             reports.append(report)
             written.append((comp, out, report))
-        carry(pipeline_plan, tmp)
-        if check is not None:            # before the rename: a result that fails never reaches DST
-            check(written)
+        carry(copied, tmp)
+        sink.check(written, dst)
     result = {"source": str(src), "destination": str(dst), "seconds": round(time.monotonic() - t0, 3),
               "components": reports}
     if target.kind == "pipeline":
-        result["left_out"] = pipeline_plan.left_out
-        result["warnings"] = [_left_out_warning(pipeline_plan.left_out)] if pipeline_plan.left_out else []
+        result["left_out"] = copied.left_out
+        result["warnings"] = [_left_out_warning(copied.left_out)] if copied.left_out else []
     return result

@@ -19,7 +19,7 @@ from ..formats.core.detect import Detection
 from ..formats.core.ir import QuantSpec, QuantTensor, stack_rows
 from ..formats.core.layout import QuantModule
 from ..formats.core.reader import read_module
-from ..formats.core.registry import ModuleContext, family as registered_family, target as registered_target
+from ..formats.core.registry import ModuleContext, Target, family as registered_family, target as registered_target
 from ..formats.core.request import Options
 from ..formats.core.requantize import combined, error_sums, layer_error_of, requantize, unmeasurable, unrepresentable
 from ..formats.core.source import exact_rows, exact_weights, refuse, whole
@@ -73,7 +73,7 @@ def _check_scales(m: QuantModule, comp: Component, source, qt: QuantTensor, spec
 def _retarget(qt: QuantTensor, spec: QuantSpec, stats: Stats, tgt, settings: dict) -> QuantTensor:
     """Same codes and zero points, scales re-expressed for the target (its retarget hook where it has
     one: bitsandbytes' SCB = s * 127, its double quantization kept or dropped)."""
-    if tgt.retarget is not None:
+    if tgt.overrides(Target.retarget):
         qt, exact = tgt.retarget(qt, spec, settings)
         if isinstance(exact, tuple):            # (exact, stored) of every value it stores (MLX: scales, biases)
             stats.scale_rounding(*exact)
@@ -122,7 +122,7 @@ def _stream_windows(tgt, spec: QuantSpec, m: QuantModule, g_idx: bool, settings:
     planned for a window of `step` rows it is [step, ...] (per-row) or [1, ...] (one per block of step
     rows), and whole [out, ...] or [ceil(out / step), ...], its other dimensions the same."""
     out, inp = m.out_features, m.in_features
-    if out == 0 or inp == 0 or spec.flat or (tgt.requantize is not None and not tgt.requantize_rows):
+    if out == 0 or inp == 0 or spec.flat or (tgt.overrides(Target.requantize) and not tgt.requantize_rows):
         return None
     step = max(1, spec.block_rows)
     step = math.lcm(step, registered_family(m.family).row_step(m))
@@ -204,18 +204,18 @@ class _ModuleWriter:
         """(qt, LayerError) of a lossy module, or of a window of its rows: the target's own quantizer (by
         windows of rows where it is row-separable), else convert's integer requantizer."""
         w, m, spec, tgt = self.w, self.m, self.spec, self.tgt
-        if tgt.requantize is not None and tgt.requantize_rows and not getattr(source.spec, "flat", False):
+        if tgt.overrides(Target.requantize) and tgt.requantize_rows and not getattr(source.spec, "flat", False):
             with np.errstate(over="ignore", invalid="ignore"):
                 return _requantize_by_rows(tgt, source, exact_rows(w.comp, m, source), spec, settings,
                                            w.requantize_window)
-        if tgt.requantize is not None:                  # the target's own quantizer (code books)
+        if tgt.overrides(Target.requantize):           # the target's own quantizer (code books)
             weights = exact_weights(w.comp, m, source)
             qt, rtn = tgt.requantize(source, weights, spec, settings)
             with np.errstate(over="ignore", invalid="ignore"):
                 return qt, _layer_error(weights, qt, rtn)
         qt, err = requantize(exact_rows(w.comp, m, source), spec.bits, spec.group_size, spec.symmetric,
                              spec.scale_dtype, source.dtype, search=w.opts.search)
-        return (replace(qt, spec=spec) if tgt.retarget is None else tgt.retarget(qt, spec, settings)[0]), err
+        return (tgt.retarget(qt, spec, settings)[0] if tgt.overrides(Target.retarget) else replace(qt, spec=spec)), err
 
     def checked_leaves(self, source, qt: QuantTensor, err, st: Stats) -> dict:
         """The checks every module (or window of one) passes before its bytes are written, and its
@@ -262,7 +262,7 @@ class _ModuleWriter:
         """The write settings the target's plan gives the module (Target.plan; {} for targets without
         one): settings the header needs first (a nested double-quant offset)."""
         w, m = self.w, self.m
-        if self.tgt.plan is None:
+        if not self.tgt.overrides(Target.plan):
             return {}
         return self.tgt.plan(ModuleContext(m, self.spec, self.lossy, w.opts, m.details.get("dtype") or w.src_dtype,
                                            lambda trial: self.encoded(trial), self.weights, w.comp.tensors,

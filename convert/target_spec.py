@@ -35,7 +35,7 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
     its own fit (Target.fit) fits the module itself."""
     tgt = registered_target(opts.to)
     where = comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else None
-    fitted = tgt.fit(m, src, opts, lambda caps=None: _negotiate(m, src, opts, where, caps)) if tgt.fit else None
+    fitted = tgt.fit(m, src, opts, lambda caps=None: _negotiate(m, src, opts, where, caps))
     if fitted is not None:                      # the target's own fit (None: the caps negotiation below)
         spec, reason = fitted
         _check_leaves(tgt, spec, m, m.in_features, opts, where)
@@ -45,10 +45,10 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
     bits, group, sym, reason = _negotiate(m, src, opts, where, caps)
     if reason is None and act_order and not caps.act_order:
         reason = f"act-order groups become contiguous ({opts.to} stores no g_idx)"
-    if opts.scale_dtype:
-        scale_code = SCALE_CODES[opts.scale_dtype]
+    if opts.get("scale_dtype"):
+        scale_code = SCALE_CODES[opts.get("scale_dtype")]
         if scale_code not in caps.scale_dtypes:
-            raise UsageError(f"--scale-dtype {opts.scale_dtype}: {opts.to} stores scales as "
+            raise UsageError(f"--scale-dtype {opts.get('scale_dtype')}: {opts.to} stores scales as "
                              f"{', '.join(sorted(caps.scale_dtypes))}", tensor=m.name, file=where)
     elif not reason and (kept := _kept_scale_dtype(m, comp, src, caps, src_dtype)):
         scale_code = kept
@@ -101,14 +101,14 @@ def _negotiate(m: QuantModule, src, opts: Options, where, caps) -> tuple[int, in
     why the codes cannot be kept (None: they are)."""
     codebook = src.scheme != "int"
     inp = m.in_features
-    bits = opts.bits or (src.bits if src.scheme in ("int", "float") else 4)
+    bits = opts.get("bits") or (src.bits if src.scheme in ("int", "float") else 4)
     if caps is not None and bits not in caps.bits:
-        if opts.bits or caps.fallback_bits is None:
+        if opts.get("bits") or caps.fallback_bits is None:
             raise UsageError(f"{opts.to} stores {', '.join(map(str, sorted(caps.bits)))}-bit codes, not "
                              f"{bits}-bit", tensor=m.name, file=where)
         bits = caps.fallback_bits
-    if opts.group_size is not None:
-        group = opts.group_size
+    if opts.get("group_size") is not None:
+        group = opts.get("group_size")
         if group > inp:
             raise UsageError(f"--group-size {group} is larger than the module's {inp} input features; use "
                              f"--group-size -1 for one group per output row", tensor=m.name, file=where)
@@ -121,15 +121,15 @@ def _negotiate(m: QuantModule, src, opts: Options, where, caps) -> tuple[int, in
     else:
         group = src.group_size
     if caps is not None and caps.group_sizes and group > 0 and group not in caps.group_sizes:
-        if opts.group_size is not None:
+        if opts.get("group_size") is not None:
             raise UsageError(f"--group-size {group}: {opts.to} stores groups of "
                              f"{', '.join(map(str, sorted(caps.group_sizes)))} only", tensor=m.name, file=where)
         group = _default_group(None, inp)
     tiled = False                               # a per-row source kept in groups (Caps.tiles_rows)
     if caps is not None:
         if group <= 0 and not caps.per_row:
-            tiled = caps.tiles_rows and not codebook and src.group_size <= 0 and opts.group_size is None
-            if opts.group_size is not None:
+            tiled = caps.tiles_rows and not codebook and src.group_size <= 0 and opts.get("group_size") is None
+            if opts.get("group_size") is not None:
                 raise UsageError(f"{opts.to} stores groups, not one scale per output row: give --group-size "
                                  f"a divisor of {inp}", tensor=m.name, file=where)
             group = _default_group(None, inp)
@@ -137,15 +137,15 @@ def _negotiate(m: QuantModule, src, opts: Options, where, caps) -> tuple[int, in
                 raise UnsupportedFormat(f"{opts.to} stores groups of 32, 64 or 128 inputs; none divides this "
                                         f"module's {inp}", tensor=m.name, file=where)
         elif group > 0 and not caps.grouped:
-            if opts.group_size is not None:
+            if opts.get("group_size") is not None:
                 raise UsageError(f"{opts.to} stores one scale per output row: use --group-size -1",
                                  tensor=m.name, file=where)
             group = -1
-    sym = (getattr(src, "symmetric", True) if codebook else src.symmetric) if opts.sym is None else opts.sym
+    sym = (getattr(src, "symmetric", True) if codebook else src.symmetric) if opts.get("sym") is None else opts.get("sym")
     if caps is not None and not sym and not caps.asym:
         if caps.asym_refusal:
             raise UnsupportedFormat(caps.asym_refusal, tensor=m.name, file=where)
-        if opts.sym is False:
+        if opts.get("sym") is False:
             raise UsageError(f"{opts.to} stores symmetric codes only: drop --asym", tensor=m.name, file=where)
         sym = True
     reason = None

@@ -167,83 +167,11 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
     modules = []
     for prefix, qweight, qzeros, scales in gptq.qweight_modules(tensors):
         unsupported = list(config_unsupported)
-        problems = []
-
-        per, skipped = _module_settings(qc or {}, settings, prefix)
-        if skipped:
-            problems.append(f"{skipped}, but the module is stored packed: loaders build it as a plain "
-                            f"Linear and find no weight for it")
-        if per and per.get("bits") is not None and per["bits"] != BITS and per["bits"] != settings["bits"]:
-            unsupported.append(f"the config asks for {per['bits']}-bit codes here; AWQ GEMM packs 4-bit "
-                               f"codes only")
-        if prefix + ".g_idx" in tensors:
-            problems.append("has a g_idx tensor, which AWQ GEMM never writes (a GPTQ module?)")
-
-        if qweight.dtype != "I32":
-            unsupported.append(f"qweight is {qweight.dtype}; AWQ GEMM packs codes in int32 words")
-        if len(qweight.shape) != 2:
-            problems.append(f"qweight has shape {list(qweight.shape)}, expected [in, out/8]")
-        if scales is None:
-            problems.append("quantized module has no scales tensor")
-        elif len(scales.shape) != 2:
-            problems.append(f"scales has shape {list(scales.shape)}, expected [in/group_size, out]")
-        elif scales.dtype not in SCALE_DTYPES:
-            unsupported.append(f"scales is {scales.dtype}; AWQ GEMM stores {' or '.join(SCALE_DTYPES)} "
-                               f"scales (loaders cast others, so their weights are not the stored ones)")
-        if qzeros is None:
-            problems.append("quantized module has no qzeros tensor (AWQ loaders read qzeros even with "
-                            "zero_point false)")
-        elif qzeros.dtype != "I32":
-            unsupported.append(f"qzeros is {qzeros.dtype}; AWQ GEMM packs zero points in int32 words")
-
-        two_d = len(qweight.shape) == 2
-        inp = qweight.shape[0] if two_d else 0
-        out = (scales.shape[1] if scales is not None and len(scales.shape) == 2
-               else (qweight.shape[1] * PACK if two_d else 0))
-        groups = scales.shape[0] if scales is not None and len(scales.shape) == 2 else None
-        bits = BITS
-        if two_d and out:
-            width = qweight.shape[1]
-            implied = width * 32 // out if (width * 32) % out == 0 else None
-            if implied in EXTENDED_BITS:
-                bits = implied
-                unsupported.append(f"qweight is {width} words wide for {out} outputs: {implied}-bit codes "
-                                   f"(auto-round's extended AWQ bit stream); qconv decodes 4-bit AWQ GEMM only")
-            elif implied != BITS:
-                problems.append(f"qweight has shape {list(qweight.shape)}, which does not fit scales' {out} "
-                                f"outputs (4-bit AWQ GEMM needs {out / PACK:g} words per row)")
-        if out % PACK:
-            problems.append(f"{out} output channels are not a multiple of {PACK}, which AWQ GEMM packing needs")
-        if qzeros is not None and len(qzeros.shape) == 2 and groups is not None and out:
-            if qzeros.shape[0] != groups or qzeros.shape[1] * PACK != out:
-                problems.append(f"qzeros has shape {list(qzeros.shape)}, expected [{groups}, {out // PACK}] "
-                                f"to fit scales {list(scales.shape)}")
-        elif qzeros is not None and len(qzeros.shape) != 2:
-            problems.append(f"qzeros has shape {list(qzeros.shape)}, expected [in/group_size, out/8]")
-
-        group_size = None
-        if (groups == 0 and inp) or (groups and inp and inp % groups):
-            problems.append(f"{inp} input channels cannot be split into the {groups} groups scales has")
-        elif groups:
-            shape_gs = -1 if groups == 1 else inp // groups
-            cfg_gs = (per or {}).get("group_size", settings["group_size"])
-            if isinstance(cfg_gs, int) and not isinstance(cfg_gs, bool) and cfg_gs > 0:
-                if inp % cfg_gs == 0 and inp // cfg_gs == groups:
-                    group_size = cfg_gs
-                else:
-                    problems.append(f"the config's group_size {cfg_gs} gives {inp / cfg_gs:g} groups for "
-                                    f"{inp} inputs, but scales has {groups}")
-                    group_size = shape_gs
-            elif cfg_gs == -1 and groups != 1:
-                problems.append(f"the config's group_size -1 means one group, but scales has {groups}")
-                group_size = shape_gs
-            elif cfg_gs is not None and cfg_gs != -1:      # 0, a negative number, a string: not a size
-                problems.append(f"the config's group_size {cfg_gs!r} is not a group size (a positive number, "
-                                f"or -1 for one group)")
-                group_size = shape_gs
-            else:
-                group_size = shape_gs
-
+        problems: list[str] = []
+        per = _config_checks(tensors, qc, settings, prefix, unsupported, problems)
+        _tensor_checks(qweight, qzeros, scales, unsupported, problems)
+        inp, out, groups, bits = _dimensions(qweight, qzeros, scales, unsupported, problems)
+        group_size = _group_size(inp, groups, per, settings, problems)
         all_problems = tuple(unsupported + config_problems + problems)
         state = tuple(prefix + "." + leaf for leaf in STATE_LEAVES if prefix + "." + leaf in tensors)
         details = {"version": settings["version"], "format": settings["version"],
@@ -255,6 +183,95 @@ def find_modules(tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> list[
         modules.append(QuantModule(prefix, "awq", int_scheme(bits), bits, out, inp, (qweight.name,), state,
                                    group_size=group_size, details=details, problems=all_problems))
     return modules
+
+
+def _config_checks(tensors: Mapping[str, TensorInfo], qc: Mapping | None, settings: dict, prefix: str,
+                   unsupported: list[str], problems: list[str]) -> dict | None:
+    """What the config says of this module (returned), and where that contradicts its packed tensors."""
+    per, skipped = _module_settings(qc or {}, settings, prefix)
+    if skipped:
+        problems.append(f"{skipped}, but the module is stored packed: loaders build it as a plain "
+                        f"Linear and find no weight for it")
+    if per and per.get("bits") is not None and per["bits"] != BITS and per["bits"] != settings["bits"]:
+        unsupported.append(f"the config asks for {per['bits']}-bit codes here; AWQ GEMM packs 4-bit "
+                           f"codes only")
+    if prefix + ".g_idx" in tensors:
+        problems.append("has a g_idx tensor, which AWQ GEMM never writes (a GPTQ module?)")
+    return per
+
+
+def _tensor_checks(qweight: TensorInfo, qzeros: TensorInfo | None, scales: TensorInfo | None,
+                   unsupported: list[str], problems: list[str]) -> None:
+    """Each tensor's presence, rank and dtype on its own."""
+    if qweight.dtype != "I32":
+        unsupported.append(f"qweight is {qweight.dtype}; AWQ GEMM packs codes in int32 words")
+    if len(qweight.shape) != 2:
+        problems.append(f"qweight has shape {list(qweight.shape)}, expected [in, out/8]")
+    if scales is None:
+        problems.append("quantized module has no scales tensor")
+    elif len(scales.shape) != 2:
+        problems.append(f"scales has shape {list(scales.shape)}, expected [in/group_size, out]")
+    elif scales.dtype not in SCALE_DTYPES:
+        unsupported.append(f"scales is {scales.dtype}; AWQ GEMM stores {' or '.join(SCALE_DTYPES)} "
+                           f"scales (loaders cast others, so their weights are not the stored ones)")
+    if qzeros is None:
+        problems.append("quantized module has no qzeros tensor (AWQ loaders read qzeros even with "
+                        "zero_point false)")
+    elif qzeros.dtype != "I32":
+        unsupported.append(f"qzeros is {qzeros.dtype}; AWQ GEMM packs zero points in int32 words")
+
+
+def _dimensions(qweight: TensorInfo, qzeros: TensorInfo | None, scales: TensorInfo | None,
+                unsupported: list[str], problems: list[str]) -> tuple[int, int, int | None, int]:
+    """(in, out, groups, code width) from the shapes, and where the shapes disagree with each other."""
+    two_d = len(qweight.shape) == 2
+    inp = qweight.shape[0] if two_d else 0
+    out = (scales.shape[1] if scales is not None and len(scales.shape) == 2
+           else (qweight.shape[1] * PACK if two_d else 0))
+    groups = scales.shape[0] if scales is not None and len(scales.shape) == 2 else None
+    bits = BITS
+    if two_d and out:
+        width = qweight.shape[1]
+        implied = width * 32 // out if (width * 32) % out == 0 else None
+        if implied in EXTENDED_BITS:
+            bits = implied
+            unsupported.append(f"qweight is {width} words wide for {out} outputs: {implied}-bit codes "
+                               f"(auto-round's extended AWQ bit stream); qconv decodes 4-bit AWQ GEMM only")
+        elif implied != BITS:
+            problems.append(f"qweight has shape {list(qweight.shape)}, which does not fit scales' {out} "
+                            f"outputs (4-bit AWQ GEMM needs {out / PACK:g} words per row)")
+    if out % PACK:
+        problems.append(f"{out} output channels are not a multiple of {PACK}, which AWQ GEMM packing needs")
+    if qzeros is not None and len(qzeros.shape) == 2 and groups is not None and out:
+        if qzeros.shape[0] != groups or qzeros.shape[1] * PACK != out:
+            problems.append(f"qzeros has shape {list(qzeros.shape)}, expected [{groups}, {out // PACK}] "
+                            f"to fit scales {list(scales.shape)}")
+    elif qzeros is not None and len(qzeros.shape) != 2:
+        problems.append(f"qzeros has shape {list(qzeros.shape)}, expected [in/group_size, out/8]")
+    return inp, out, groups, bits
+
+
+def _group_size(inp: int, groups: int | None, per: dict | None, settings: dict,
+                problems: list[str]) -> int | None:
+    """The group size: the config's where it fits the shapes, else the one the shapes imply (a problem)."""
+    if (groups == 0 and inp) or (groups and inp and inp % groups):
+        problems.append(f"{inp} input channels cannot be split into the {groups} groups scales has")
+        return None
+    if not groups:
+        return None
+    shape_gs = -1 if groups == 1 else inp // groups
+    cfg_gs = (per or {}).get("group_size", settings["group_size"])
+    if isinstance(cfg_gs, int) and not isinstance(cfg_gs, bool) and cfg_gs > 0:
+        if inp % cfg_gs == 0 and inp // cfg_gs == groups:
+            return cfg_gs
+        problems.append(f"the config's group_size {cfg_gs} gives {inp / cfg_gs:g} groups for "
+                        f"{inp} inputs, but scales has {groups}")
+    elif cfg_gs == -1 and groups != 1:
+        problems.append(f"the config's group_size -1 means one group, but scales has {groups}")
+    elif cfg_gs is not None and cfg_gs != -1:      # 0, a negative number, a string: not a size
+        problems.append(f"the config's group_size {cfg_gs!r} is not a group size (a positive number, "
+                        f"or -1 for one group)")
+    return shape_gs
 
 
 def check(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None) -> None:

@@ -82,12 +82,12 @@ def config_method(qc: Mapping | None) -> str | None:
         return None
     method = qc.get("quant_method")
     for dialect in dialects():                   # a dialect's own spelling (bitsandbytes: bnb8 / bnb4)
-        resolved = dialect.resolve(method, qc) if dialect.resolve is not None else None
+        resolved = dialect.resolve(method, qc)
         if resolved is not None:
             return resolved
     if method is None:                           # a bare config a dialect recognises (ModelOpt's, MLX's; a
         for dialect in sorted(dialects(), key=lambda d: d.bare_last):   # loose check such as GPTQ's last)
-            if dialect.bare is not None and dialect.bare(qc):
+            if dialect.bare(qc):
                 return dialect.name
     return str(method)
 
@@ -117,7 +117,7 @@ def without_quantization(config: Mapping) -> dict:
 def quant_config(comp: Component, warnings: list[str]) -> tuple[dict | None, str | None]:
     qc = (comp.config or {}).get("quantization_config")
     own = (comp.config or {}).get("quantization")
-    if isinstance(own, dict) and any(d.bare is not None and d.bare(own) for d in dialects()):
+    if isinstance(own, dict) and any(d.bare(own) for d in dialects()):
         # mlx-lm's own key, which it reads first (older mlx-lm writes only this one); its mirror in
         # quantization_config is no loader's, so where the two differ, what differs is said
         if qc and qc != own:
@@ -144,7 +144,7 @@ def detect(comp: Component) -> Detection:
     cfg_method = config_method(qc)
 
     claiming = [f for f in families() if f.claims(cfg_method, qc)]
-    modules = [m for f in claiming for m in f.find(tensors, qc)]
+    modules = [m for f in claiming for m in f.find_modules(tensors, qc)]
     modules.sort(key=lambda m: natural_key(m.name))
     unaccounted = unaccounted_tensors(
         tensors, {t for m in modules for t in m.weight_tensors + m.state_tensors},

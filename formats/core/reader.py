@@ -37,7 +37,7 @@ def require_decodable(comp: Component) -> Detection:
                                 f"{', '.join(f.method for f in families() if f.quantized)} and auto-round); refusing to "
                                 f"write it as anything else", file=comp.path / det.qc_source)
     for dialect in dialects_for(det.cfg_method):
-        refusal = dialect.refuse(det.qc) if dialect.refuse is not None and det.qc else None
+        refusal = dialect.refuse(det.qc) if det.qc else None
         if refusal is not None:
             cls, message = refusal
             raise cls(message, file=comp.path / det.qc_source)
@@ -78,7 +78,10 @@ EXPERT_COUNT_KEYS = structure.EXPERT_COUNT_KEYS
 
 
 def _declared_experts(config) -> tuple[str, int] | None:
-    """(key, count) of the routed experts the model config declares (its text_config for a VLM)."""
+    """(key, count) of the routed experts the model config declares (its text_config for a VLM).
+    require_decodable compares it with each fused module's experts, naming the module's stored tensor and
+    file; structure.check compares every expert-count key only with the layers under the decoder prefix
+    it finds, naming config.json, and runs after the module checks."""
     config = config.get("text_config", config) if isinstance(config, dict) else None
     for key in EXPERT_COUNT_KEYS:
         value = config.get(key) if isinstance(config, dict) else None
@@ -103,7 +106,7 @@ def check_module(det: Detection, m: QuantModule, tensors) -> None:
     """Refuse, from headers, a module that read_module could not decode exactly, and one whose activation
     scales contradict its config or are not finite positive values (activation.check: whatever the
     target, which may carry them or drop them)."""
-    family(m.family).check(m, tensors, det.qc)
+    family(m.family).check_module(m, tensors, det.qc)
     activation.check(m, tensors)
 
 
@@ -156,12 +159,12 @@ def _read_module(comp: Component, det: Detection, m: QuantModule, dtype: str,
         r0, r1 = rows or (0, m.out_features)
         step = m.details.get("row_step", 1)
         if step == 1:
-            return family(parent.family).read(parent, comp.tensors, det.qc, dtype, (first + r0, first + r1))
+            return family(parent.family).read_module(parent, comp.tensors, det.qc, dtype, (first + r0, first + r1))
         # every step-th stacked row (experts.split_interleaved): the window that spans them, then its rows
-        window = family(parent.family).read(parent, comp.tensors, det.qc, dtype,
+        window = family(parent.family).read_module(parent, comp.tensors, det.qc, dtype,
                                             (first + r0 * step, first + (r1 - 1) * step + 1))
         return _strided_rows(window, step)
-    return family(m.family).read(m, comp.tensors, det.qc, dtype, rows)
+    return family(m.family).read_module(m, comp.tensors, det.qc, dtype, rows)
 
 
 def _strided_rows(qt: QuantTensor, step: int) -> QuantTensor:

@@ -1,27 +1,23 @@
-"""The types a format family declares itself with, and the lookup: core holds these and imports no
-family. Each family's package (formats/<family>/__init__.py) registers its Family, Dialect and Target
-entries; qconv.formats imports every family folder it holds, so a new format is one folder (its
-__init__ with its declarations, a header module, stdlib only, and a codec, numpy), never a branch in
-detect, reader, inspection, validation or convert.
+"""The contract a format family declares itself with, and the lookup: core holds these and imports no
+family. Each family's package (formats/<family>/__init__.py) defines its classes: a subclass of
+``Family`` (a reader: how its modules are found, refused and read), of ``Dialect`` (the config language
+inspect checks) and of ``Target`` for each writer (`--to NAME`). A class with a ``name`` registers itself
+when it is defined, and a name declared twice is refused at import; qconv.formats imports every family
+folder it holds, so a new format is one folder (its __init__ with its classes, a header module, stdlib
+only, and a codec, numpy), never a branch in detect, reader, inspection, validation or convert.
 
-A family says:
-* which quantization configs it reads (``claims``: a config method, and for auto-round the packing);
-* how its modules are recognised from headers and config (``find``), and refused from headers
-  (``check``), both stdlib only, so `inspect` imports neither numpy nor torch;
-* where its data is decoded (``codec``: a module with ``read(m, tensors, qc, dtype) -> QuantTensor``,
-  imported only when data is touched);
-* what inspect reports of its settings and lints (``settings``, stdlib only);
-* the dtype its scales are stored in (``QuantModule.details["scales_dtype"]``, absent: float32), which
-  is what validate's bound needs to know of it.
-
-A lookup by a name that is not registered lists the names that are.
+The base classes' docstrings are the contract: what each method receives and returns, which ones run on
+headers alone (stdlib: `inspect` imports the registry and every declaration, never numpy), and what the
+default does where a family leaves a method out. A lookup by a name that is not registered lists the
+names that are.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping
+from types import ModuleType
+from typing import Callable, ClassVar, Mapping
 
 from .layout import QuantModule
 from .options import INTEGER_OPTIONS
@@ -29,60 +25,120 @@ from .options import INTEGER_OPTIONS
 _FORMATS = __package__.rsplit(".", 1)[0]   # qconv.formats: codec names are relative to it
 
 
-@dataclass(frozen=True)
-class Family:
-    name: str                        # QuantModule.family
-    method: str                      # report name
-    config_methods: frozenset        # config methods (detect.config_method) whose files it decodes
-    claims: Callable[[str | None, Mapping | None], bool]   # (config method, qc): look for its modules?
-    find: Callable[[Mapping, Mapping | None], list[QuantModule]]
-    check: Callable[[QuantModule, Mapping, Mapping | None], None]
-    codec: str                       # module (relative to qconv.formats) holding the reader
-    settings: Callable | None = None  # (qc or None, its modules) -> inspect's report fields
-    reader: str = "read"             # codec function (m, tensors, qc, dtype) -> QuantTensor
-    needs_config: bool = True        # its tensors alone do not say how to decode them (packed words)
-    symmetric: Callable | None = None  # (m, qc) -> whether its zero points are 2^(b-1), from headers/config
-    rows: int | str = 32             # a row window's ends: multiples of this (or a codec function of m)
-    scale_tensor: str | None = None  # its modules' scale tensor (m.name + this), read alone where the
-                                     # data decides a target's scale dtype (convert/target_spec.py)
-    # (m, tensors, qc) -> QuantSpec | FloatSpec: a module's spec where the headers alone do not say it
-    # (MLX: integer zero points, or none, decided from its scales and biases); a codec function name.
-    # None: convert derives it from the module's headers.
-    source_spec: str | None = None
-    # (m, qc) -> Kernel | None: the producer's own matmul for a module, where it can run here (a module,
-    # relative to qconv.formats, holding ``kernel``: "bnb.kernel"); None: the family has none
-    kernel: str | None = None
-    # whether its modules hold codes (False: the "unquantized" family, a float model's Linears, which
-    # data-free conversion quantizes and no config names)
-    quantized: bool = True
-    # tensor-name endings only this format's quantization writes beyond detect.QUANT_LEAVES (MLX: .scales,
-    # .biases): in a checkpoint it claims, one no module of it accounts for is refused, never carried
-    state_leaves: tuple = ()
+def _duplicate(table: dict, what: str, name: str) -> None:
+    if name in table:
+        raise TypeError(f"{what} {name!r} is registered twice ({type(table[name]).__module__}."
+                        f"{type(table[name]).__qualname__} and another): each name is declared once")
 
-    def kernel_for(self, m: QuantModule, qc: Mapping | None):
-        """The producer's kernel for this module (Kernel), or None."""
-        if self.kernel is None:
-            return None
-        return importlib.import_module(f"{_FORMATS}.{self.kernel}").kernel(m, qc)
 
-    def read(self, m: QuantModule, tensors: Mapping, qc: Mapping | None, dtype: str,
-             rows: tuple[int, int] | None = None):
-        """The module, or only its output rows r0:r1 (ends on multiples of row_step(m), or the last
-        row), as a QuantTensor: the reader reads only those rows' bytes, so a caller holding one window
-        at a time holds a bounded part of any layer."""
-        fn = getattr(importlib.import_module(f"{_FORMATS}.{self.codec}"), self.reader)
-        return fn(m, tensors, qc, dtype) if rows is None else fn(m, tensors, qc, dtype, rows)
+class _Registered:
+    """A class that declares a ``name`` registers one instance of itself when it is defined (its
+    package's __init__, which qconv.formats imports for every folder it holds): core imports no family,
+    a family's classes find core. A class without a name of its own is a base for others (bitsandbytes'
+    4-bit targets share one). A name declared twice is refused at import."""
+    _table: ClassVar[dict]
+    _what: ClassVar[str]
+    name: ClassVar[str]
 
-    def spec(self, m: QuantModule, tensors: Mapping, qc: Mapping | None):
-        """The module's spec from its family's own rule (source_spec), else None."""
-        if self.source_spec is None:
-            return None
-        return getattr(importlib.import_module(f"{_FORMATS}.{self.codec}"), self.source_spec)(m, tensors, qc)
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            _duplicate(cls._table, cls._what, cls.name)
+            cls._table[cls.name] = cls()
+
+    def __repr__(self) -> str:
+        return f"<{self._what} {self.name!r}>"
+
+
+def _import(module: str):
+    """A module relative to qconv.formats ("bnb.codec"), imported on first use: numpy-side code stays
+    out of `inspect`, which imports the registry and every family's declarations."""
+    return importlib.import_module(f"{_FORMATS}.{module}")
+
+
+class Family(_Registered):
+    """A format family: how qconv finds, refuses and reads one format's quantized modules. This class is
+    the contract: a family subclasses it with the class attributes below and the methods it needs (the
+    others keep the defaults here). The methods marked stdlib read headers and config only and import
+    neither numpy nor torch (`inspect` runs them); the others may, importing the family's ``codec``
+    module (``self.codec_module()``) when data is touched."""
+    _table: ClassVar[dict] = {}
+    _what: ClassVar[str] = "format family"
+
+    name: ClassVar[str]                  # QuantModule.family
+    method: ClassVar[str]                # the name reports give it ("bitsandbytes LLM.int8")
+    config_methods: ClassVar[frozenset] = frozenset()   # config methods (detect.config_method) it decodes
+    codec: ClassVar[str]                 # its data module, relative to qconv.formats ("bnb.codec")
+    # its stdlib header module where that defines find_modules(tensors, qc), settings(qc, modules) and
+    # check(m, tensors, qc) as the methods below take them: their defaults call those (None: none)
+    header: ClassVar[ModuleType | None] = None
+    needs_config: ClassVar[bool] = True  # its tensors alone do not say how to decode them (packed words)
+    row_multiple: ClassVar[int] = 32     # a row window's ends are multiples of this (row_step's default)
+    scale_tensor: ClassVar[str | None] = None   # its modules' scale tensor (m.name + this), read alone where
+                                         # the data decides a target's scale dtype (convert/target_spec.py)
+    quantized: ClassVar[bool] = True     # its modules hold codes (False: "unquantized", a float model's
+                                         # Linears, which data-free conversion quantizes)
+    state_leaves: ClassVar[tuple] = ()   # tensor-name endings only its quantization writes beyond
+                                         # detect.QUANT_LEAVES (MLX: .scales, .biases): one no module of it
+                                         # accounts for is refused, never carried
+
+    def codec_module(self):
+        """Its ``codec`` module, imported on first use (numpy)."""
+        return _import(self.codec)
+
+    # --- from headers and config (stdlib) ---------------------------------------------------------------
+
+    def claims(self, config_method: str | None, qc: Mapping | None) -> bool:
+        """Whether to look for its modules in a checkpoint whose config names ``config_method`` (qc: its
+        quantization_config, or None). Default: config_method is one of config_methods."""
+        return config_method in self.config_methods
+
+    def find_modules(self, tensors: Mapping, qc: Mapping | None) -> list[QuantModule]:
+        """Its modules, from the tensors' headers (name -> TensorInfo) and qc. Stdlib. Default: its header's
+        find_modules, else none."""
+        return self.header.find_modules(tensors, qc) if self.header is not None else []
+
+    def settings(self, qc: Mapping | None, modules: list[QuantModule]) -> dict:
+        """What `inspect` reports of its settings for these modules of it (qc: the config where its own
+        dialect wrote it, else None). Stdlib. Default: its header's settings, else nothing."""
+        return self.header.settings(qc, modules) if self.header is not None else {}
+
+    def symmetric(self, m: QuantModule, qc: Mapping | None) -> bool:
+        """Whether m's zero points are 2^(b-1), from headers and config (an integer module whose spec
+        source_spec does not give). Stdlib. Default: True."""
+        return True
 
     def row_step(self, m: QuantModule) -> int:
-        if isinstance(self.rows, int):
-            return self.rows
-        return getattr(importlib.import_module(f"{_FORMATS}.{self.codec}"), self.rows)(m)
+        """A row window's ends for m are multiples of this (or the last row): the unit a reader reads
+        rows in, which validate's and convert's bounded memory rest on. Default: row_multiple."""
+        return self.row_multiple
+
+    # --- where data is touched (may import numpy, torch) ---------------------------------------------------
+
+    def check_module(self, m: QuantModule, tensors: Mapping, qc: Mapping | None) -> None:
+        """Refuse m (CorruptCheckpoint / UnsupportedFormat naming file and tensor) where its tensors
+        cannot be decoded as found; run by every verb before m's data is read. Default: its header's check,
+        else nothing to check."""
+        if self.header is not None:
+            self.header.check(m, tensors, qc)
+
+    def read_module(self, m: QuantModule, tensors: Mapping, qc: Mapping | None, dtype: str,
+                    rows: tuple[int, int] | None = None):
+        """m, or only its output rows r0:r1 (ends on multiples of row_step(m), or the last row), as a
+        QuantTensor (or a FloatWeight): only those rows' bytes are read, so a caller holding one window
+        at a time holds a bounded part of any layer. dtype: the weight's original float dtype. Default:
+        its codec's ``read(m, tensors, qc, dtype, rows)``."""
+        return self.codec_module().read(m, tensors, qc, dtype, rows)
+
+    def source_spec(self, m: QuantModule, tensors: Mapping, qc: Mapping | None):
+        """m's spec (QuantSpec / FloatSpec) where its headers alone do not say it (MLX: integer zero
+        points, or none, decided from its scales and biases); None: convert derives it from the headers."""
+        return None
+
+    def kernel_for(self, m: QuantModule, qc: Mapping | None) -> "Kernel | None":
+        """The producer's own matmul for m where it can run here (validate cross-checks it, convert's
+        activation cost reads it), or None: the family has none."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -98,38 +154,46 @@ class Kernel:
     source_output: str | None = None
 
 
-@dataclass(frozen=True)
-class Dialect:
+class Dialect(_Registered):
     """A quantization_config language (bitsandbytes, GPTQ / auto-round, AWQ, compressed-tensors): what
-    inspect checks of a config against the tensors. One dialect can describe several families
-    (bitsandbytes: int8 and 4-bit; auto-round: GPTQ and AWQ packings)."""
-    name: str
-    config_methods: frozenset
-    lint: Callable                   # (qc, modules, all_modules, comp, warnings) -> None
-    # (qc) -> (error class, message) for a config under which nothing can be decoded (a block size that
-    # is not one, a field of the wrong type), refused naming the config file; None: no such check
-    refuse: Callable | None = None
-    # (doc) -> whether a stand-alone config without quant_method is this dialect's (ModelOpt's
-    # hf_quant_config.json); detect.config_method then names the method config_methods' first
-    bare: Callable | None = None
-    bare_last: bool = False          # its bare check is tried after every other dialect's (a loose one)
-    # (quant_method, qc) -> the config method a config of this dialect names (bitsandbytes: bnb8 or bnb4
-    # from its load_in_* flags; auto-round: either spelling of its quant_method), None: not this dialect's
-    resolve: Callable | None = None
+    inspect checks of a config against the tensors, and how a config names its method. One dialect can
+    describe several families (bitsandbytes: int8 and 4-bit; auto-round: GPTQ and AWQ packings). Every
+    method is stdlib (inspect runs them)."""
+    _table: ClassVar[dict] = {}
+    _what: ClassVar[str] = "dialect"
+
+    name: ClassVar[str]
+    config_methods: ClassVar[frozenset]
+    header: ClassVar[ModuleType | None] = None   # its stdlib header module, where that defines lint (below)
+    bare_last: ClassVar[bool] = False    # its bare check is tried after every other dialect's (a loose one)
     # config methods reported under their own name, not the family's that decodes a module (auto-round:
     # one config language over GPTQ's and AWQ's packings)
-    reported_as_itself: frozenset = frozenset()
+    reported_as_itself: ClassVar[frozenset] = frozenset()
+
+    def lint(self, qc: Mapping, modules: list, all_modules: set, comp, warnings: list) -> None:
+        """Append to warnings what the config says that its modules (all_modules: every module name in
+        the checkpoint) contradict or that a loader reads otherwise. Default: its header's lint, else nothing."""
+        if self.header is not None:
+            self.header.lint(qc, modules, all_modules, comp, warnings)
+
+    def refuse(self, qc: Mapping) -> tuple | None:
+        """(error class, message) for a config under which nothing can be decoded (a block size that is not
+        one, a field of the wrong type), refused naming the config file; None: nothing to refuse."""
+        return None
+
+    def bare(self, doc: Mapping) -> bool:
+        """Whether a stand-alone config without quant_method is this dialect's (ModelOpt's
+        hf_quant_config.json, MLX's config); detect.config_method then names the dialect. Default: no."""
+        return False
+
+    def resolve(self, quant_method, qc: Mapping) -> str | None:
+        """The config method a config of this dialect names (bitsandbytes: bnb8 or bnb4 from its load_in_*
+        flags; auto-round: either spelling of its quant_method); None: not this dialect's own spelling."""
+        return None
 
 
-_FAMILIES: dict[str, Family] = {}
-_DIALECTS: dict[str, Dialect] = {}
-
-
-def register(entry):
-    """A family or dialect declares itself (from its package's __init__, which qconv.formats imports for
-    every folder it holds: core imports no family)."""
-    (_FAMILIES if isinstance(entry, Family) else _DIALECTS)[entry.name] = entry
-    return entry
+_FAMILIES: dict[str, Family] = Family._table
+_DIALECTS: dict[str, Dialect] = Dialect._table
 
 
 def dialects() -> tuple[Dialect, ...]:
@@ -219,118 +283,163 @@ class ModuleContext:
                                      # which a target that holds its scheme carries (None: none)
 
 
-@dataclass(frozen=True)
-class Target:
-    """A writer. convert plans every module (fit or the caps negotiation: spec and reason; then plan: its
-    settings; then leaves: the tensors and their header entries), writes the config, and only then
-    encodes each module's data: requantized from its exact weights (requantize, else convert's integer
-    requantizer) or kept and re-expressed (retarget, else scales / divisor in spec.scale_dtype), then
-    encode. The hooks below default to None, which is what the integer formats need; a format with its
-    own options, code books or header state that depends on the data (bitsandbytes) sets them. Hooks
-    that need numpy are given lazily (registry.lazy), so importing the registry stays stdlib only."""
-    name: str                        # the --to name
-    family: str                      # the family that reads what it writes
-    caps: Caps
-    leaves: Callable                 # (spec, (out, in), g_idx: bool, **settings) -> {leaf: (dtype, shape)}; stdlib
-                                     # (settings: the module's from plan; their defaults: a plain module)
-    config: Callable                 # (WriteContext) -> quantization_config; stdlib
-    codec: str                       # module holding encode_for(name, qt, spec, g_idx) -> {leaf: (dtype, array)}
-    g_idx: str = "never"             # "always" (GPTQ's writers), "act-order" (only a kept act-order), "never"
-    activations: str | None = None   # what its kernels do to activations at run time (convert reports the cost)
+class Target(_Registered):
+    """A writer (`qconv convert --to NAME`). This class is the contract: a target subclasses it with the
+    class attributes below and the methods it needs; the others keep the defaults here.
+
+    convert plans every module first: its spec (fit, else convert's negotiation of the request against
+    caps) and why its codes cannot be kept; then plan (its write settings), share (settings modules hold
+    in common) and leaves (its tensors and their header entries, predicted before any data); then the
+    quantization_config and model_config. Only then is each module's data encoded: requantized from its
+    exact weights (requantize where the target defines it, else convert's integer requantizer) or kept and
+    re-expressed (retarget where defined, else scales / divisor stored in spec.scale_dtype), then encode.
+    leaves, quantization_config, packing, model_config and arrange are stdlib; the others may import numpy
+    (the target's ``codec`` module, through ``self.codec_module()``). A target reads only the
+    options it declares (``options``): ``request.bits`` of a target that does not declare bits is an
+    AttributeError."""
+    _table: ClassVar[dict] = {}
+    _what: ClassVar[str] = "target"
+
+    name: ClassVar[str]                  # the --to name
+    family: ClassVar[str]                # the family that reads what it writes
+    caps: ClassVar[Caps]                 # what it stores without touching codes
+    codec: ClassVar[str]                 # its data module, relative to qconv.formats, holding
+                                         # encode_for(name, qt, spec, g_idx) -> {leaf: (dtype, array)}
+    options: ClassVar[tuple] = INTEGER_OPTIONS   # the convert options it takes (core/options.Option); any
+                                         # other one given is a usage error (exit 2)
+    g_idx: ClassVar[str] = "never"       # "always" (GPTQ's writers), "act-order" (only a kept act-order), "never"
+    zero_encoding: ClassVar[str | None] = None   # what its qzeros hold: "v1" (z - 1), "v2" (z), None (its codec's)
+    internal: ClassVar[bool] = False     # written only where another target's packing picks it; no --to choice
+    requantize_rows: ClassVar[bool] = False   # its requantize is row-separable (each row, or each
+                                         # spec.block_rows rows, on its own): convert gives it windows of rows
+                                         # and stacks the parts, never the whole float32 weight
+    activations: ClassVar[str | None] = None  # what its kernels do to activations (convert reports the cost)
     # what its kernels do to activations for which it stores no static scale (a source's that it cannot
     # hold: convert's report says so); None: nothing, its kernels multiply 16-bit activations
-    dynamic_activations: str | None = None
+    dynamic_activations: ClassVar[str | None] = None
     # what a user does where a scale does not fit the dtype it would be stored in (convert's refusal ends
     # with it); None: the --scale-dtype choice
-    scale_hint: str | None = None
-    zero_encoding: str | None = None  # what its qzeros hold: "v1" (z - 1), "v2" (z), None (its codec's own)
-    packing: Callable | None = None  # ({module: (QuantSpec, (out, in))}) -> name of the target that writes them
-    internal: bool = False           # written only when another target's packing picks it; not a --to choice
-    # (module, source spec, request, negotiate) -> (QuantSpec, reason | None) or None (this module: the caps
-    # negotiation, as for a target without fit): the spec a module is
-    # written with and why its codes cannot be kept, for a target whose settings are not bits / groups /
-    # zero points (code books, its own options such as --block-size or --quant-storage); request: as
-    # ModuleContext.request; negotiate(caps=None) -> (bits, group, sym, reason) is convert's negotiation
-    # of the request against the source (fitted to caps where given; None: unfitted). Refusals raise
-    # UsageError / UnsupportedFormat. None: convert fits the module to caps.
-    fit: Callable | None = None
-    # (ModuleContext) -> settings: what the spec does not say about how one module is written, settled
-    # before any tensor is (the header comes first): a dict of keyword arguments of leaves, also given
-    # to requantize, retarget and config (WriteContext.settings); it may encode the module once for a
-    # value only the data decides (bitsandbytes: the nested double-quant offset, which sizes the
-    # quant_state JSON). Refusals raise UnsupportedFormat. None: no settings ({}).
-    plan: Callable | None = None
-    # ({module: settings}) -> {module: settings}: settings some modules share, settled from every module's
-    # plan before any tensor is written (NVFP4: one global scale for the modules a serving engine fuses,
-    # q/k/v and gate/up, from their joint maximum). None: each module's plan stands.
-    share: Callable | None = None
-    # (source, w, spec, settings) -> (qt, rtn): a module whose codes cannot be kept, quantized to spec from
-    # its exact weights w (source.dequantize()), with plain round-to-nearest beside it for the report,
-    # both QuantTensors in the target's terms. None: convert's integer requantizer (requantize.py).
-    requantize: Callable | None = None
-    # requantize is row-separable (each row, or each spec.block_rows rows, quantized on its own given the
-    # settings): convert calls it on windows of rows and stacks the parts (ir.stack_rows), so a module's
-    # exact float32 weight is never held whole. False: it is given the whole weight.
-    requantize_rows: bool = False
-    # (qt, spec, settings) -> (qt, exact | None): a module in the target's terms: its codes kept, scales
-    # re-expressed where the target stores them differently, target-held state kept or dropped; exact:
-    # the values its stored scales round, for the report (None: nothing rounded). convert's integer
-    # requantizer's result goes through it too (rounding not reported). None: scales / divisor stored
-    # in spec.scale_dtype.
-    retarget: Callable | None = None
-    # the convert options it takes (core/options.Option declarations: its --flags, keywords and checks);
-    # any other one given is a usage error (exit 2)
-    options: tuple = INTEGER_OPTIONS
-    # (config) -> config: the model config's keys its loaders read beyond quantization_config (MLX: the
-    # same dict as "quantization", rope_theta at the top level). None: the config as convert makes it.
-    model_config: Callable | None = None
-    # ({name: OutTensor}) -> {name: OutTensor}: the output tensors as its loaders name and shape them, made
-    # from the planned ones (MLX: per-expert Linears stacked into switch_mlp tensors). None: as planned.
-    arrange: Callable | None = None
+    scale_hint: ClassVar[str | None] = None
+
+    def codec_module(self):
+        """Its ``codec`` module, imported on first use (numpy)."""
+        return _import(self.codec)
+
+    def overrides(self, hook) -> bool:
+        """Whether this target defines ``hook`` (a method of Target: ``Target.plan``) itself, where convert
+        has a generic way for the targets that do not (plan, requantize, retarget)."""
+        return getattr(type(self), hook.__name__) is not hook
+
+    # --- planned from headers (stdlib) -------------------------------------------------------------------
+
+    def leaves(self, spec, shape: tuple[int, int], g_idx: bool, **settings) -> dict:
+        """{leaf: (dtype, shape)}: the tensors one module of ``shape`` (out, in) is written as, with a g_idx
+        or not, given the settings plan gave it (their defaults: a plain module). NotStorable where its
+        layout cannot hold the module."""
+        raise NotImplementedError(f"target {self.name!r} declares no leaves")
+
+    def quantization_config(self, ctx: WriteContext) -> dict:
+        """The quantization_config it writes for these modules."""
+        raise NotImplementedError(f"target {self.name!r} declares no quantization_config")
+
+    def fit(self, m: QuantModule, source_spec, request, negotiate) -> tuple | None:
+        """(QuantSpec, reason | None): the spec m is written with and why its codes cannot be kept, for a
+        target whose settings are not bits / groups / zero points (code books, --block-size,
+        --quant-storage); None: convert's negotiation against caps. request: core/request.Options;
+        negotiate(caps=None) -> (bits, group, sym, reason) is that negotiation (fitted to caps where given).
+        Refusals raise UsageError / UnsupportedFormat. Default: None."""
+        return None
+
+    def share(self, settings: dict) -> dict:
+        """{module: settings} -> {module: settings}: settings some modules share, settled from every
+        module's plan before any tensor is written (NVFP4: one global scale for the modules a serving
+        engine fuses, q/k/v and gate/up). Default: each module's plan stands."""
+        return settings
+
+    def packing(self, modules: Mapping) -> str | None:
+        """The name of the target that writes these negotiated modules ({name: (spec, (out, in))}), where
+        one --to name has several packings (auto-round); None: this one."""
+        return None
+
+    def model_config(self, config: dict) -> dict:
+        """The model config with the keys its loaders read beyond quantization_config (MLX: the same dict as
+        "quantization", rope_theta at the top level). Default: as convert makes it."""
+        return config
+
+    def arrange(self, outputs: dict) -> dict:
+        """{name: OutTensor} -> {name: OutTensor}: the output tensors as its loaders name and shape them,
+        made from the planned ones (MLX: per-expert Linears stacked into switch_mlp tensors). NotStorable
+        where they cannot be. Default: as planned."""
+        return outputs
+
+    # --- where data is touched (may import numpy) --------------------------------------------------------
+
+    def plan(self, ctx: ModuleContext) -> dict:
+        """What the spec does not say about how one module is written, settled before any tensor is (the
+        header comes first): keyword arguments of leaves, also given to requantize, retarget and
+        quantization_config (WriteContext.settings); it may encode the module once (ctx.encode) for a value
+        only the data decides (bitsandbytes: the nested double-quant offset). Refusals raise
+        UnsupportedFormat. Default (convert does not call it): {}."""
+        return {}
+
+    def requantize(self, source, w, spec, settings: dict) -> tuple:
+        """(qt, rtn): a module whose codes cannot be kept quantized to spec from its exact weights w
+        (float32 rows: a window of them where requantize_rows), with plain round-to-nearest beside it for
+        the report, both QuantTensors in the target's terms. Default (convert does not call it): convert's
+        integer requantizer (core/requantize.py)."""
+        raise NotImplementedError(f"target {self.name!r} has no requantizer of its own")
+
+    def retarget(self, qt, spec, settings: dict) -> tuple:
+        """(qt, exact | None): a module in the target's terms, its codes kept, scales re-expressed where the
+        target stores them differently, target-held state kept or dropped; exact: the values its stored
+        scales round, for the report (a tuple (exact, stored) pairs several; None: nothing rounded).
+        convert's integer requantizer's result goes through it too. Default (convert does not call it):
+        scales / divisor stored in spec.scale_dtype."""
+        raise NotImplementedError(f"target {self.name!r} has no retarget of its own")
+
+    def encode(self, qt, spec, g_idx: bool) -> dict:
+        """{leaf: (dtype, array)}: the module's tensors, zero points stored in this target's own convention.
+        Default: its codec's encode_for(name, qt, spec, g_idx)."""
+        spec = replace(spec, zero_encoding=self.zero_encoding)
+        return self.codec_module().encode_for(self.name, qt, spec, g_idx)
+
+    # --- used by convert ---------------------------------------------------------------------------------
 
     def module_leaves(self, spec, shape: tuple[int, int], g_idx: bool, settings: Mapping | None = None) -> dict:
         """leaves for one module, given the settings plan gave it (targets without plan take none)."""
         return self.leaves(spec, shape, g_idx, **(settings or {}))
 
-    def encode(self, qt, spec, g_idx: bool) -> dict:
-        """The module's tensors, zero points stored in this target's own convention."""
-        spec = replace(spec, zero_encoding=self.zero_encoding)
-        return importlib.import_module(f"{_FORMATS}.{self.codec}").encode_for(self.name, qt, spec, g_idx)
-
     def written_by(self, modules: Mapping) -> "Target":
         """The target that writes these negotiated modules ({name: (spec, (out, in))}), decided before any
-        data is read: this one, or the one its packing hook picks from the specs (auto-round: the
-        packing_format auto-round's own export would pick for them)."""
-        name = self.packing(modules) if self.packing else None
+        data is read: this one, or the one its packing picks from the specs (auto-round: the packing_format
+        auto-round's own export would pick for them)."""
+        name = self.packing(modules)
         return self if name is None or name == self.name else target(name)
 
 
-@dataclass(frozen=True)
-class FileTarget:
-    """A writer of one file rather than a folder (llama.cpp's GGUF): the family that reads it back, the
-    convert options it takes (any other is exit 2), and ``convert(src, dst, opts, *, overwrite, jobs,
-    max_shard_size, validate) -> report``, which plans, writes, stages and publishes the file, as convert
-    does a folder."""
-    name: str
-    family: str
-    options: tuple                   # core/options.Option declarations
-    convert: Callable
+class FileTarget(_Registered):
+    """A writer of one file rather than a folder (llama.cpp's GGUF). A family subclasses it with the class
+    attributes below and ``sink``; defining the class registers it, a name declared twice is refused."""
+    _table: ClassVar[dict] = {}
+    _what: ClassVar[str] = "file target"
 
+    name: ClassVar[str]                  # --to NAME
+    family: ClassVar[str]                # the family that reads its output back
+    options: ClassVar[tuple] = ()        # core/options.Option declarations: the convert options it takes
+                                         # (any other is exit 2)
 
-_FILE_TARGETS: dict[str, FileTarget] = {}
-
-
-def register_file_target(entry: FileTarget) -> FileTarget:
-    _FILE_TARGETS[entry.name] = entry
-    return entry
+    def sink(self, opts, *, max_shard: int, jobs: int, validate: bool):
+        """The one-file container convert's engine writes into (a convert/sink.py Sink: the engine plans,
+        stages, writes, checks, publishes and reports it as it does a folder). May import numpy."""
+        raise NotImplementedError
 
 
 def file_target(name: str) -> FileTarget | None:
-    return _FILE_TARGETS.get(name)
+    return FileTarget._table.get(name)
 
 
 def file_targets() -> tuple[FileTarget, ...]:
-    return tuple(_FILE_TARGETS.values())
+    return tuple(FileTarget._table.values())
 
 
 def lazy(module: str, fn: str, *bound):
@@ -343,13 +452,7 @@ def lazy(module: str, fn: str, *bound):
     return hook
 
 
-_TARGETS: dict[str, Target] = {}
-
-
-def register_target(entry: Target) -> Target:
-    """A writer declares itself (from its family's package __init__, as register)."""
-    _TARGETS[entry.name] = entry
-    return entry
+_TARGETS: dict[str, Target] = Target._table
 
 
 def target(name: str) -> Target:

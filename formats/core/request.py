@@ -65,8 +65,9 @@ _RUN = ("source", "search", "validate", "overwrite", "max_shard_size", "jobs")
 
 class Options:
     """What ``qconv convert`` / ``qconv.convert`` takes (``qconv.ConvertOptions``): ``to``, the target
-    options it declares (each read as an attribute: ``opts.bits``; one it does not declare reads as its
-    declared default, None: "the source's"), and the run settings. Frozen; checked when made: a ``to``
+    options it declares (each read as an attribute: ``opts.bits``, its declared default where not given,
+    None: "the source's"; an option the target does not declare is an AttributeError, or None through
+    ``get`` for code that serves every target), and the run settings. Frozen; checked when made: a ``to``
     that is not a str naming a target, an option the target does not take given with any value but None
     (its default included: what was given is refused, not what differs from a default), an argument of
     the wrong type or a value its check refuses is a UsageError (exit 2)."""
@@ -113,14 +114,22 @@ class Options:
         set_(self, "_values", {name: own[name].value(options.get(name)) for name in own})
 
     def __getattr__(self, name: str):
+        """A target option its target declares (its value, or its declared default: None, "the source's").
+        Any other name is an AttributeError: a writer reads only what its target declares."""
         if name.startswith("__"):
             raise AttributeError(name)
         values = object.__getattribute__(self, "_values")
         if name in values:
             return values[name]
-        for decls in declared().get(name, ()):              # an option of another target: its default
-            return None if decls[0].default is None else decls[0].check(decls[0].default)
+        if name in declared():
+            raise AttributeError(f"--to {object.__getattribute__(self, 'to')} does not declare the option {name!r}; "
+                                 f"a writer reads only the options its target declares (Target.options)")
         raise AttributeError(f"Options has no attribute {name!r}")
+
+    def get(self, name: str):
+        """A target option's value where the target declares it, else None ("not given"): for the code that
+        serves every target alike (convert's negotiation of bits, group size and symmetry against caps)."""
+        return self._values.get(name)
 
     def __setattr__(self, name, value):
         raise AttributeError("Options is frozen: use replace()")

@@ -173,7 +173,7 @@ def split_experts(comp: Component, m: QuantModule, opts: Options) -> list[QuantM
 
 def source_spec(comp, det: Detection, m: QuantModule, src_dtype: str) -> QuantSpec:
     """The source module's spec without decoding its data (from headers and config)."""
-    own = registered_family(m.family).spec(m, comp.tensors, det.qc)
+    own = registered_family(m.family).source_spec(m, comp.tensors, det.qc)
     if own is not None:                         # the family's own rule (MLX: zero points from the data)
         return own
     if m.details.get("float_spec") is not None:   # a stored type with no exact form here (GGUF's K-quants)

@@ -16,7 +16,8 @@ The checks use only what every loader agrees on, and only where the tensor they 
   (DeepSeek's multi-token-prediction layers, ``num_nextn_predict_layers``, may follow them);
 - per-expert layers (``experts.0`` .. ``experts.{num_experts - 1}``) in every layer that has experts;
 - for the architectures whose attention and MLP shapes follow the config alone (ATTENTION_TYPES:
-  llama, mistral, qwen2/3 and their MoE and VL text decoders, ...): q / k / v / o rows and columns from
+  llama, mistral, qwen2/3 and their MoE and VL text decoders, ...; and those a family declares,
+  declare_attention_types: each GGUF architecture its own): q / k / v / o rows and columns from
   the head counts and head_dim, the dense MLP's from intermediate_size, each expert's from
   moe_intermediate_size. Other architectures (DeepSeek's MLA, Qwen3-Next's gated attention) size these
   with keys of their own, and are compared on the universal checks only.
@@ -38,12 +39,24 @@ ATTENTION_TYPES = frozenset({
     "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_moe_text",
     "gemma", "gemma2", "gemma3_text", "olmo2", "granite", "phi3", "starcoder2", "cohere",
 })
+_DECLARED: set[str] = set()       # more of them, declared by a family (a GGUF architecture: gguf/archs/)
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _VISION = ("vision", "visual", "audio")
 _LAYER = re.compile(r"^(.*?)layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(.+)$")
 _FUSED = re.compile(r"^(.*\.)?experts\.[A-Za-z_]+$")
 _INT_LIMIT = 1 << 31          # what GGUF's u32 hyperparameters and every loader's int32 sizes hold
+
+
+def declare_attention_types(*model_types: str) -> None:
+    """Model types whose attention and MLP shapes follow the config alone, as ATTENTION_TYPES': a family
+    declares those it knows (each GGUF architecture its own model types), so core names no family."""
+    _DECLARED.update(model_types)
+
+
+def attention_follows_config(model_type) -> bool:
+    """Whether the attention and MLP checks apply to a config's model_type (ATTENTION_TYPES, or declared)."""
+    return str(model_type) in ATTENTION_TYPES or str(model_type) in _DECLARED
 
 
 @dataclass(frozen=True)
@@ -168,7 +181,7 @@ def disagreements(config: Mapping | None, shapes: Mapping[str, tuple]) -> list[D
                                         f"{prefix}layers.{have[-1]}"
                                         + (f", layer {missing} missing)" if missing is not None else ")")))
     _experts(c, cfg, layers, prefix)
-    if str(cfg.get("model_type")) in ATTENTION_TYPES:
+    if attention_follows_config(cfg.get("model_type")):
         _attention_and_mlp(c, layers, prefix, hidden)
     return c.found
 

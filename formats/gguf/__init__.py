@@ -3,14 +3,42 @@ the gguf family (a GGUF opened as a source: Q8_0 / Q4_0 / Q5_0 / MXFP4 block ten
 q / k read whole, codec.row_step) and dialect, the storage container that opens a GGUF file (and inspect's
 header-only report of it), and `--to gguf`, its writer."""
 
-from ..core.registry import Dialect, Family, FileTarget, lazy, register, register_file_target
+from ..core.registry import Dialect, Family, FileTarget, lazy
 from ..storage.checkpoint import Container, register_container
 from . import header as gguf
 
-register(Family("gguf", "GGUF", frozenset({"gguf"}), lambda method, qc: method == "gguf", gguf.find_modules,
-                gguf.check, "gguf.codec", gguf.settings, symmetric=lambda m, qc: True, rows="row_step"))
-register(Dialect("gguf", frozenset({"gguf"}), gguf.lint))
+
+class Gguf(Family):
+    """A GGUF opened as a source: Q8_0 / Q4_0 / Q5_0 / MXFP4 block tensors (K-quants decoded to float); a
+    permuted llama q / k is read whole (codec.row_step)."""
+    name = "gguf"
+    method = "GGUF"
+    config_methods = frozenset({"gguf"})
+    codec = "gguf.codec"
+    header = gguf
+
+    def row_step(self, m) -> int:
+        return self.codec_module().row_step(m)
+
+
+class GgufDialect(Dialect):
+    name = "gguf"
+    config_methods = frozenset({"gguf"})
+    header = gguf
+
+
 register_container(Container("gguf", gguf.looks_like_gguf, lazy("gguf.source", "open_gguf"),
                              lazy("gguf.report", "describe"), lazy("gguf.report", "render")))
-# `--to gguf`: one llama.cpp file (writer.py), its options (core/request.py's Options) and their values checked
-register_file_target(FileTarget("gguf", "gguf", gguf.WRITER_OPTIONS, lazy("gguf.writer", "convert_to_gguf")))
+
+
+class GgufTarget(FileTarget):
+    """`--to gguf`: one llama.cpp file (a split set, the mmproj file beside it), written through its sink
+    (sink.py; the plan, encoding, report and read-back are writer.py's and mmproj.py's)."""
+    name = "gguf"
+    family = "gguf"
+    options = gguf.WRITER_OPTIONS
+
+    def sink(self, opts, *, max_shard: int, jobs: int, validate: bool):
+        from .sink import GGUFSink
+
+        return GGUFSink(opts, max_shard=max_shard, jobs=jobs, validate=validate)

@@ -13,16 +13,22 @@ from typing import Mapping
 
 from ...errors import UnsupportedFormat
 from ..core.structure import Disagreement, refuse
+from .archs import VISION
 from .header import Elided
 
 _INT_LIMIT = 1 << 31          # what GGUF's u32 keys and llama.cpp's int32 hparams hold
 _BLOCK = re.compile(r"v\.blk\.(\d+)\.(.+)")
 _DEEPSTACK = re.compile(r"v\.deepstack\.(\d+)\.")
-PROJECTORS = ("qwen2.5vl_merger", "qwen3vl_merger")      # those whose keys clip_disagreements knows
+PROJECTORS = tuple(dict.fromkeys(v.projector for v in VISION.values()))   # the declared towers' (archs/)
+
+
+def _tower(projector):
+    """The declared tower (archs.Vision) of a projector type, else None."""
+    return next((v for v in VISION.values() if v.projector == projector), None)
 
 
 def clip_disagreements(meta: Mapping, shapes: Mapping[str, tuple]) -> list:
-    """Every clip key of a qwen2.5vl_merger / qwen3vl_merger mmproj file that its tensors contradict
+    """Every clip key of a declared tower's mmproj file (qwen2.5vl_merger, qwen3vl_merger) that its tensors contradict
     (structure.Disagreement, as a config's structural keys: formats/core/structure.py). llama.cpp's clip.cpp
     builds the tower's graph from these keys and read_back builds vision_config from them, so one that lies
     makes a model no loader builds. SHAPES: GGUF tensor name -> numpy shape (the header's, reversed). From
@@ -46,7 +52,7 @@ def clip_disagreements(meta: Mapping, shapes: Mapping[str, tuple]) -> list:
     _blocks(c)
     _projector(c)
     _heads_image_window(c)
-    if c.qwen3:
+    if c.tower is not None and c.tower.deepstack:
         _deepstack_flags(c)
     _normalization(c)
     return c.found
@@ -61,7 +67,7 @@ class _Clip:
 
     def __init__(self, meta: Mapping, shapes: Mapping[str, tuple]):
         self.meta, self.shapes = meta, shapes
-        self.qwen3 = meta.get("clip.projector_type") == "qwen3vl_merger"
+        self.tower = _tower(meta.get("clip.projector_type"))
         self.found: list = []
         self.bad: set = set()
         self.depth, self.hidden, self.ff = self.size("block_count"), self.size("embedding_length"), \
@@ -69,7 +75,8 @@ class _Clip:
         self.heads, self.proj = self.size("attention.head_count"), self.size("projection_dim")
         self.patch, self.image = self.size("patch_size"), self.size("image_size")
         self.merge = self.size("spatial_merge_size", 2)             # llama.cpp's default for Qwen
-        self.window = self.size("n_wa_pattern") if not self.qwen3 or "clip.vision.n_wa_pattern" in meta else None
+        windowed = self.tower is None or self.tower.windowed
+        self.window = self.size("n_wa_pattern") if windowed or "clip.vision.n_wa_pattern" in meta else None
         self.blocks: dict[int, set] = {}
         for name in shapes:
             m = _BLOCK.fullmatch(name)
@@ -125,7 +132,7 @@ def _blocks(c: _Clip) -> None:
     hidden, ff = c.hidden, c.ff
     for n in sorted(c.blocks):
         p = f"v.blk.{n}."
-        if c.qwen3:
+        if c.tower is not None and c.tower.fused_qkv:
             c.same((E, "q, k and v"), (hidden, 3), p + "attn_qkv.weight", 0, "rows")
             c.same(E, hidden, p + "attn_qkv.weight", 1, "columns")
         for leaf in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_out.weight"):
@@ -199,8 +206,9 @@ def checked(meta: Mapping, shapes: Mapping[str, tuple], projector: str, path: Pa
     refuse(clip_disagreements(meta, shapes), file=path, whose="its",
            why="llama.cpp builds the vision tower from the clip keys (and qconv its vision_config), so no loader "
                "builds this one; nothing written")
-    own, other = ("clip.use_gelu", "clip.use_silu") if projector == "qwen3vl_merger" else \
-        ("clip.use_silu", "clip.use_gelu")
+    tower = _tower(projector)
+    own = tower.activation if tower is not None else "clip.use_silu"
+    other = "clip.use_silu" if own == "clip.use_gelu" else "clip.use_gelu"
     if meta.get(own) is not True or meta.get(other):
         raise UnsupportedFormat(f"its {own} is {meta.get(own)!r} ({other} {meta.get(other)!r}): llama.cpp then "
                                 f"computes the vision MLP with another activation than the {projector} "

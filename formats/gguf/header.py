@@ -332,7 +332,17 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
 
 
 def _parse(src: _Source) -> GGUFHeader:
-    path = src.path
+    version, n_tensors, n_kv = _preamble(src)
+    metadata, alignment = _metadata(src, n_kv)
+    infos = _tensor_infos(src, n_tensors)
+    data_offset = -(-src.pos // alignment) * alignment
+    tensors = [_tensor(src, *info, alignment, data_offset) for info in infos]
+    _check_overlaps(src, tensors)
+    return GGUFHeader(src.path, version, alignment, metadata, tuple(tensors), data_offset, src.size)
+
+
+def _preamble(src: _Source) -> tuple[int, int, int]:
+    """(version, tensor count, key count) after the magic, refusing counts the file cannot hold."""
     if src.size < 4:
         magic = src.take(src.size, "the magic")
         raise src.corrupt(f"not a GGUF file: {src.size} bytes long ({magic!r}); a GGUF file starts with {MAGIC!r}")
@@ -344,11 +354,11 @@ def _parse(src: _Source) -> GGUFHeader:
         swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
         if swapped in VERSIONS:
             raise UnsupportedFormat(f"big-endian GGUF v{swapped}; qconv reads little-endian GGUF v2 and v3 only",
-                                    file=path)
+                                    file=src.path)
         if version == 0:
             raise src.corrupt("GGUF version 0; there is no such version (GGUF v2 and v3 are read)")
         raise UnsupportedFormat(f"GGUF version {version}; qconv reads GGUF v2 and v3 "
-                                f"(convert it with a current llama.cpp)", file=path)
+                                f"(convert it with a current llama.cpp)", file=src.path)
     n_tensors = src.u64("the tensor count")
     n_kv = src.u64("the metadata key count")
     # Each key/value takes at least 13 bytes (8 length, 4 type, 1 value), each tensor info 32 (8 name
@@ -356,7 +366,11 @@ def _parse(src: _Source) -> GGUFHeader:
     if n_kv * 13 + n_tensors * 32 > src.left():
         raise src.corrupt(f"header claims {n_tensors} tensors and {n_kv} metadata keys, more than the "
                           f"{src.left()} bytes left in the file can hold")
+    return version, n_tensors, n_kv
 
+
+def _metadata(src: _Source, n_kv: int) -> tuple[dict[str, Any], int]:
+    """The key/value pairs (each key once) and the data alignment (general.alignment, a power of two)."""
     metadata: dict[str, Any] = {}
     alignment = DEFAULT_ALIGNMENT
     for i in range(n_kv):
@@ -371,7 +385,11 @@ def _parse(src: _Source) -> GGUFHeader:
             alignment = metadata[key]
             if alignment == 0 or alignment & (alignment - 1):
                 raise src.corrupt(f"key 'general.alignment' is {alignment}, expected a power of two")
+    return metadata, alignment
 
+
+def _tensor_infos(src: _Source, n_tensors: int) -> list[tuple[str, tuple[int, ...], int, int]]:
+    """(name, shape, ggml type, offset in the data) per tensor info, names unique, 1 to MAX_DIMS dims."""
     infos = []
     seen: set[str] = set()
     for i in range(n_tensors):
@@ -387,39 +405,43 @@ def _parse(src: _Source) -> GGUFHeader:
         type_id = src.u32("its ggml type", name)
         rel = src.u64("its offset", name)
         infos.append((name, shape, type_id, rel))
+    return infos
 
-    data_offset = -(-src.pos // alignment) * alignment
-    tensors = []
-    for name, shape, type_id, rel in infos:
-        if type_id not in GGML_TYPES:
-            raise UnsupportedFormat(f"unknown ggml type {type_id} (removed from ggml, or newer than the types "
-                                    f"qconv knows: {', '.join(n for n, _, _ in GGML_TYPES.values())})",
-                                    file=path, tensor=name)
-        type_name, block, type_size = GGML_TYPES[type_id]
-        numel = 1
-        for d, ne in enumerate(shape):
-            if ne > _INT64_MAX:
-                raise src.corrupt(f"dimension {d} is {ne}, negative as ggml's int64", name)
-            numel *= ne
-        if numel > _INT64_MAX:
-            raise src.corrupt(f"shape {list(shape)} has {numel} elements, more than an int64 holds", name)
-        if shape[0] % block:
-            raise src.corrupt(f"first dimension {shape[0]} is not a multiple of {type_name}'s "
-                              f"{block}-weight blocks", name)
-        nbytes = numel // block * type_size
-        if rel % alignment:
-            raise src.corrupt(f"offset {rel} is not a multiple of the alignment {alignment}", name)
-        if data_offset + rel + nbytes > src.size:
-            raise src.corrupt(f"data [{data_offset + rel}, {data_offset + rel + nbytes}) runs past the end of "
-                              f"the file ({src.size} bytes)", name)
-        tensors.append(GGUFTensor(name, shape, type_id, type_name, data_offset + rel, nbytes, path))
 
+def _tensor(src: _Source, name: str, shape: tuple[int, ...], type_id: int, rel: int, alignment: int,
+            data_offset: int) -> GGUFTensor:
+    """One tensor info checked: a known type, whole blocks, an aligned offset, data inside the file."""
+    if type_id not in GGML_TYPES:
+        raise UnsupportedFormat(f"unknown ggml type {type_id} (removed from ggml, or newer than the types "
+                                f"qconv knows: {', '.join(n for n, _, _ in GGML_TYPES.values())})",
+                                file=src.path, tensor=name)
+    type_name, block, type_size = GGML_TYPES[type_id]
+    numel = 1
+    for d, ne in enumerate(shape):
+        if ne > _INT64_MAX:
+            raise src.corrupt(f"dimension {d} is {ne}, negative as ggml's int64", name)
+        numel *= ne
+    if numel > _INT64_MAX:
+        raise src.corrupt(f"shape {list(shape)} has {numel} elements, more than an int64 holds", name)
+    if shape[0] % block:
+        raise src.corrupt(f"first dimension {shape[0]} is not a multiple of {type_name}'s "
+                          f"{block}-weight blocks", name)
+    nbytes = numel // block * type_size
+    if rel % alignment:
+        raise src.corrupt(f"offset {rel} is not a multiple of the alignment {alignment}", name)
+    if data_offset + rel + nbytes > src.size:
+        raise src.corrupt(f"data [{data_offset + rel}, {data_offset + rel + nbytes}) runs past the end of "
+                          f"the file ({src.size} bytes)", name)
+    return GGUFTensor(name, shape, type_id, type_name, data_offset + rel, nbytes, src.path)
+
+
+def _check_overlaps(src: _Source, tensors: list[GGUFTensor]) -> None:
+    """No two tensors' data overlap (empty tensors take no room)."""
     placed = sorted((t for t in tensors if t.nbytes), key=lambda t: t.offset)
     for a, b in zip(placed, placed[1:]):
         if b.offset < a.offset + a.nbytes:
             raise src.corrupt(f"data [{b.offset}, {b.offset + b.nbytes}) overlaps tensor {a.name!r} "
                               f"[{a.offset}, {a.offset + a.nbytes})", b.name)
-    return GGUFHeader(path, version, alignment, metadata, tuple(tensors), data_offset, src.size)
 
 
 def _value(src: _Source, vtype: int, what: str, depth: int):

@@ -14,13 +14,17 @@ conversion/base.py) and what its loader reads (tools/mtmd/clip.cpp, models/qwen2
 * both: the Conv3d patch embedding [hidden, 3, 2, p, p] as two Conv2d kernels, one per temporal slice
   (`v.patch_embd.weight`, `.weight.1`), and the merger as `v.post_ln` + `mm.0` / `mm.2`.
 
+Each tower's tensor names, clip keys, required tensors and read-back config are its architecture's
+declaration (archs/qwen2.py, archs/qwen3.py: archs.Vision); this file is generic over them.
+
 Types, as the converter's: 1-D tensors (norms, biases) and the position embedding F32, the patch kernels
 F16 when the type is f16 else F32, the 2-D weights in --mmproj-type (auto: each tensor's own dtype; a
 quantized Linear of the tower, dequantized exactly, F32). A conversion that rounds is reported per tensor.
 
 The plan is made from headers and configs (config.json, preprocessor_config.json's image_mean / std)
 before anything is written; what llama.cpp cannot represent, or a source that disagrees with itself, is
-refused naming the file and the key or tensor. Tensors are then read and written one at a time.
+refused naming the file and the key or tensor. Tensors are then read and encoded one at a time (encoded),
+and written by the GGUF sink (sink.py) as the second file of a `--to gguf` conversion, beside the text model.
 """
 
 from __future__ import annotations
@@ -29,14 +33,17 @@ import functools
 import json
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Mapping
 
 from ...errors import CorruptCheckpoint, NotStorable, UnsupportedFormat, ValidationFailed
 from ..storage.checkpoint import Component
 from ..storage.safetensors_header import TensorInfo
-from .arch import VISION_PREFIXES, add_key, is_vision
+from .arch import is_vision
+from .archs import VISION as MODELS  # each VL model_type's tower, as its architecture declares it
+from .archs import Vision as VisionModel
+from .archs import vision_prefixes
 from .clip_keys import checked
 from .header import read_header
 from .split import _NAME as SPLIT_SUFFIX
@@ -47,15 +54,6 @@ QK = 32                                  # Q8_0's block: 32 weights of one row, 
 
 
 @dataclass(frozen=True)
-class VisionModel:
-    model_type: str                  # the Hugging Face model_type
-    projector: str                   # clip.projector_type (plan writes it)
-    names: Callable                  # (rest of the HF name after visual., config) -> [(gguf name, part)] or None
-    keys: Callable                   # (config, vision, preprocessor, where) -> its other [(key, kind, value)]
-    required: Callable               # (vision) -> the GGUF tensors llama.cpp's graph needs
-
-
-@dataclass(frozen=True)
 class Planned:
     name: str                        # GGUF tensor name
     source: str                      # the Hugging Face tensor (or quantized module's weight) it comes from
@@ -63,152 +61,6 @@ class Planned:
     shape: tuple                     # numpy shape of the values written
     type_name: str                   # F32, F16, BF16 or Q8_0
     module: object = None            # the quantized module (QuantModule) whose weight this is, else None
-
-
-def _blocks(rest: str):
-    m = re.fullmatch(r"blocks\.(\d+)\.(.+)", rest)
-    return (int(m.group(1)), m.group(2)) if m else (None, None)
-
-
-_TIME = [("v.patch_embd.weight", ("time", 0)), ("v.patch_embd.weight.1", ("time", 1))]
-
-
-def _qwen25_names(rest: str, config: Mapping):
-    if rest == "patch_embed.proj.weight":
-        return _TIME
-    if rest == "merger.ln_q.weight":
-        return [("v.post_ln.weight", None)]
-    m = re.fullmatch(r"merger\.mlp\.([02])\.(weight|bias)", rest)
-    if m:
-        return [(f"mm.{m.group(1)}.{m.group(2)}", None)]
-    n, tail = _blocks(rest)
-    if n is None:
-        return None
-    leaf = tail.rsplit(".", 1)
-    if tail in ("attn.qkv.weight", "attn.qkv.bias"):
-        return [(f"v.blk.{n}.attn_{x}.{leaf[1]}", ("rows", i, 3)) for i, x in enumerate("qkv")]
-    own = {"attn.proj": "attn_out", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-           "norm1": "ln1", "norm2": "ln2"}.get(leaf[0])
-    return [(f"v.blk.{n}.{own}.{leaf[1]}", None)] if own and len(leaf) == 2 else None
-
-
-def _qwen3_names(rest: str, config: Mapping):
-    vision = config.get("vision_config") or {}
-    if rest == "patch_embed.proj.weight":
-        return _TIME
-    fixed = {"patch_embed.proj.bias": "v.patch_embd.bias", "pos_embed.weight": "v.position_embd.weight"}
-    if rest in fixed:
-        return [(fixed[rest], None)]
-    sub = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
-    m = re.fullmatch(r"merger\.(norm|linear_fc1|linear_fc2)\.(weight|bias)", rest)
-    if m:
-        return [({"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}[m.group(1)] + f".{m.group(2)}", None)]
-    m = re.fullmatch(r"deepstack_merger_list\.(\d+)\.(norm|linear_fc1|linear_fc2)\.(weight|bias)", rest)
-    if m:
-        indexes = vision.get("deepstack_visual_indexes") or []
-        k = int(m.group(1))
-        if k >= len(indexes):
-            return None
-        return [(f"v.deepstack.{indexes[k]}.{sub[m.group(2)]}.{m.group(3)}", None)]
-    n, tail = _blocks(rest)
-    if n is None:
-        return None
-    leaf = tail.rsplit(".", 1)
-    own = {"attn.qkv": "attn_qkv", "attn.proj": "attn_out", "mlp.linear_fc1": "ffn_up", "mlp.linear_fc2": "ffn_down",
-           "norm1": "ln1", "norm2": "ln2"}.get(leaf[0])
-    return [(f"v.blk.{n}.{own}.{leaf[1]}", None)] if own and len(leaf) == 2 else None
-
-
-def _common_keys(config: Mapping, vision: Mapping, pre: Mapping, where) -> list:
-    text = config.get("text_config") or config
-    keys = [("clip.has_vision_encoder", "bool", True),
-            ("clip.vision.projection_dim", "u32", _int(text, "hidden_size", where)),
-            ("clip.vision.patch_size", "u32", _int(vision, "patch_size", where)),
-            ("clip.vision.embedding_length", "u32", _int(vision, "hidden_size", where)),
-            ("clip.vision.feed_forward_length", "u32", _int(vision, "intermediate_size", where)),
-            ("clip.vision.block_count", "u32", _int(vision, "depth", where)),
-            ("clip.vision.attention.head_count", "u32", _int(vision, "num_heads", where)),
-            ("clip.vision.image_mean", "f32[]", pre["image_mean"]),
-            ("clip.vision.image_std", "f32[]", pre["image_std"])]
-    out = vision.get("out_hidden_size")
-    if out is not None and out != text.get("hidden_size"):
-        raise UnsupportedFormat(f"vision_config.out_hidden_size {out} is not the text model's hidden_size "
-                                f"{text.get('hidden_size')}: llama.cpp feeds the merger's output to the text model "
-                                f"as its embeddings", file=where)
-    return keys
-
-
-def _qwen25_keys(config: Mapping, vision: Mapping, pre: Mapping, where) -> list:
-    full = vision.get("fullatt_block_indexes")
-    if not isinstance(full, list) or not full or not all(isinstance(i, int) for i in full) \
-            or any(b - a != full[0] + 1 for a, b in zip(full, full[1:])):
-        raise UnsupportedFormat(f"vision_config.fullatt_block_indexes {full!r} is not evenly spaced full-attention "
-                                f"layers, the only windowed-attention pattern llama.cpp's qwen2.5vl graph computes "
-                                f"(clip.vision.n_wa_pattern)", file=where)
-    if vision.get("intermediate_size") == vision.get("hidden_size"):
-        raise UnsupportedFormat("vision_config.intermediate_size equals hidden_size: llama.cpp's loader then takes "
-                                "ffn_down for ffn_up (a legacy heuristic) and would compute a different model",
-                                file=where)
-    if vision.get("window_size", 112) != 112:
-        raise UnsupportedFormat(f"vision_config.window_size {vision['window_size']}: llama.cpp's qwen2.5vl graph "
-                                f"attends in windows of 112 pixels only", file=where)
-    return _common_keys(config, vision, pre, where) + [
-        ("clip.vision.image_size", "u32", int(vision.get("image_size", 560))),
-        ("clip.use_silu", "bool", True),
-        ("clip.vision.n_wa_pattern", "u32", full[0] + 1),
-        ("clip.vision.attention.layer_norm_epsilon", "f32", float(config.get("rms_norm_eps", 1e-6))),
-    ]
-
-
-def _qwen3_keys(config: Mapping, vision: Mapping, pre: Mapping, where) -> list:
-    positions = _int(vision, "num_position_embeddings", where)
-    side = math.isqrt(positions)
-    if side * side != positions:
-        raise UnsupportedFormat(f"vision_config.num_position_embeddings {positions} is not a square grid, which "
-                                f"llama.cpp's qwen3vl graph interpolates its position embedding as", file=where)
-    depth = _int(vision, "depth", where)
-    indexes = vision.get("deepstack_visual_indexes") or []
-    if not all(isinstance(i, int) and 0 <= i < depth for i in indexes) or len(set(indexes)) != len(indexes):
-        raise CorruptCheckpoint(f"vision_config.deepstack_visual_indexes {indexes!r} are not distinct layers of "
-                                f"its {depth} vision layers", file=where)
-    text = config.get("text_config") or {}
-    keys = _common_keys(config, vision, pre, where) + [
-        ("clip.vision.image_size", "u32", int(vision.get("image_size") or side * _int(vision, "patch_size", where))),
-        ("clip.use_gelu", "bool", True)]
-    if "spatial_merge_size" in vision:
-        keys.append(("clip.vision.spatial_merge_size", "u32", _int(vision, "spatial_merge_size", where)))
-    return keys + [("clip.vision.attention.layer_norm_epsilon", "f32", float(text.get("rms_norm_eps", 1e-6))),
-                   ("clip.vision.is_deepstack_layers", "bool[]", [i in indexes for i in range(depth)])]
-
-
-def _required(vision: Mapping, per_layer: tuple, extra: tuple) -> list[str]:
-    names = ["mm.0.weight", "mm.0.bias", "mm.2.weight", "mm.2.bias", "v.patch_embd.weight", "v.patch_embd.weight.1",
-             "v.post_ln.weight", *extra]
-    for n in range(int(vision.get("depth") or 0)):
-        names += [f"v.blk.{n}.{t}" for t in per_layer]
-    return names
-
-
-MODELS = {v.model_type: v for v in (
-    VisionModel("qwen2_5_vl", "qwen2.5vl_merger", _qwen25_names, _qwen25_keys,
-                lambda vision: _required(vision, ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_out.weight",
-                                                  "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
-                                                  "ln1.weight", "ln2.weight"), ())),
-    VisionModel("qwen3_vl", "qwen3vl_merger", _qwen3_names, _qwen3_keys,
-                lambda vision: _required(vision, ("attn_qkv.weight", "attn_qkv.bias", "attn_out.weight",
-                                                  "ffn_up.weight", "ffn_down.weight", "ln1.weight", "ln2.weight"),
-                                         ("v.patch_embd.bias", "v.position_embd.weight"))
-                + [f"v.deepstack.{i}.{t}" for i in vision.get("deepstack_visual_indexes") or []
-                   for t in ("norm.weight", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]),
-)}
-MODELS["qwen3_vl_moe"] = replace(MODELS["qwen3_vl"], model_type="qwen3_vl_moe")     # Qwen3-VL's tower, MoE text
-
-
-def _int(section: Mapping, key: str, where) -> int:
-    value = section.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise CorruptCheckpoint(f"vision_config.{key} {value!r} is not a positive integer", file=where)
-    return value
 
 
 def mmproj_name(dst: Path) -> str:
@@ -286,7 +138,7 @@ def plan(comp: Component, modules, mmproj_type: str) -> tuple[VisionModel, list,
         if m is not None and name not in m.weight_tensors[:1]:
             continue                                   # a quantized module's other leaves: its weight stands for them
         hf = m.name + ".weight" if m is not None else name
-        rest = hf[len(next(p for p in VISION_PREFIXES if hf.startswith(p))):]
+        rest = hf[len(next(p for p in vision_prefixes() if hf.startswith(p))):]
         targets = model.names(rest, config)
         if targets is None:
             raise UnsupportedFormat(f"is a vision-tower tensor llama.cpp's {model.projector} mmproj has no place for",
@@ -346,65 +198,76 @@ def _order(name: str):
     return [int(p) if p.isdigit() else p for p in parts]
 
 
-def write(comp: Component, det, path: Path, planned) -> dict:
-    """Write the planned mmproj file at path, one source tensor at a time; the report's "mmproj" entry."""
+@dataclass(frozen=True)
+class FileTensor:
+    """One tensor of the mmproj file as the GGUF sink writes it: its stored shape ([rows, row bytes] for Q8_0)."""
+    name: str
+    type_name: str
+    shape: tuple
+    nbytes: int
+
+
+def header(comp: Component, planned) -> tuple[list, list[FileTensor]]:
+    """The mmproj file's metadata (key, type, value), in the order written, and its tensors."""
     import gguf
+
+    model, keys, tensors = planned
+    weights = [t.type_name for t in tensors if len(t.shape) == 2]      # general.file_type: most 2-D weights'
+    file_type = {"F32": 0, "F16": 1, "Q8_0": 7, "BF16": 32}[max(sorted(set(weights)), key=weights.count)]
+    meta = [("general.type", "str", "mmproj"), ("general.name", "str", comp.path.name), *keys,
+            ("general.file_type", "u32", file_type),
+            ("general.quantization_version", "u32", gguf.GGML_QUANT_VERSION), ("general.quantized_by", "str", "qconv")]
+    return meta, [FileTensor(t.name, t.type_name, (t.shape[0], _nbytes(t) // t.shape[0]) if t.type_name == "Q8_0"
+                             else t.shape, _nbytes(t)) for t in tensors]
+
+
+@dataclass
+class Encoded:
+    """What encoding the tower found, for the report: float tensors rounded, Q8_0 ones, and the quantized
+    Linears whose codes were kept or which were dequantized."""
+    rounded: list = field(default_factory=list)
+    quantized: list = field(default_factory=list)
+    dequantized: set = field(default_factory=set)
+    kept: set = field(default_factory=set)
+
+
+def encoded(comp: Component, det, planned, found: Encoded):
+    """Each planned tensor's stored bytes, in order, one source tensor read at a time (a split source encoded
+    once); what was rounded or quantized goes into found."""
     import numpy as np
 
     from .codec import Rounding
 
-    model, keys, tensors = planned
-    writer = gguf.GGUFWriter(path, "clip")
-    writer.add_string("general.type", "mmproj")
-    writer.add_string("general.name", comp.path.name)
-    for key, kind, value in keys:
-        add_key(writer, key, kind, value)
-    weights = [t.type_name for t in tensors if len(t.shape) == 2]      # general.file_type: most 2-D weights'
-    writer.add_uint32("general.file_type", {"F32": 0, "F16": 1, "Q8_0": 7, "BF16": 32}[max(sorted(set(weights)),
-                                                                                       key=weights.count)])
-    writer.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
-    writer.add_string("general.quantized_by", "qconv")
-    raw = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "Q8_0": np.uint8}
-    for t in tensors:
-        shape = (t.shape[0], _nbytes(t) // t.shape[0]) if t.type_name == "Q8_0" else t.shape
-        writer.add_tensor_info(t.name, shape, np.dtype(raw[t.type_name]), _nbytes(t),
-                               raw_dtype=None if t.type_name in ("F32", "F16") else
-                               getattr(gguf.GGMLQuantizationType, t.type_name))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    fout = writer.fout[0]
-    rounded, quantized, dequantized, kept = [], [], set(), set()
-    encoded = (None, None)                             # (source, its Q8_0 blocks): a split source encoded once
+    _, _, tensors = planned
+    blocks = (None, None)                              # (source, its Q8_0 blocks): a split source encoded once
     for t, whole, values, info, qt in _values(comp, det, tensors):
         how = None
         if t.type_name == "Q8_0":
-            if encoded[0] != t.source:
-                encoded = (t.source, _q8_0(whole, qt, info, t.source))
-            stored, how = _rows_of(encoded[1], t.part)
-            quantized.append({"tensor": t.name, "source": t.source, **how, **_q8_0_error(stored, values)})
+            if blocks[0] != t.source:
+                blocks = (t.source, _q8_0(whole, qt, info, t.source))
+            stored, how = _rows_of(blocks[1], t.part)
+            found.quantized.append({"tensor": t.name, "source": t.source, **how, **_q8_0_error(stored, values)})
         else:
             rounding = Rounding(t.type_name, t.source, info.file, hint="--mmproj-type f32")
             stored = rounding.encode(values)
             if rounding.values:
-                rounded.append({"tensor": t.name, "source": t.source, "to": t.type_name, "values": rounding.values,
-                                "max_rel_error": rounding.max_rel_error})
+                found.rounded.append({"tensor": t.name, "source": t.source, "to": t.type_name,
+                                      "values": rounding.values, "max_rel_error": rounding.max_rel_error})
         if t.module is not None:                       # a quantized Linear: its codes kept, or dequantized
-            (kept if how is not None and how["codes"] == "kept" else dequantized).add(t.module.name)
-        stored = np.ascontiguousarray(stored)
-        if stored.nbytes != _nbytes(t):
-            raise AssertionError(f"{t.name}: {stored.nbytes} bytes encoded, {_nbytes(t)} planned")
-        writer.write_padding(fout, fout.tell())
-        fout.write(memoryview(stored).cast("B"))
-        writer.write_padding(fout, stored.nbytes)
-    writer.close()
+            (found.kept if how is not None and how["codes"] == "kept" else found.dequantized).add(t.module.name)
+        yield [np.ascontiguousarray(stored)]
+
+
+def report(path: Path, planned, found: Encoded) -> dict:
+    """The report's "mmproj" entry, once the file is written at path."""
+    model, _, tensors = planned
     types: dict[str, int] = {}
     for t in tensors:
         types[t.type_name] = types.get(t.type_name, 0) + 1
     return {"file": path.name, "projector": model.projector, "tensors": len(tensors),
-            "gguf_types": dict(sorted(types.items())), "dequantized_modules": len(dequantized - kept),
-            "codes_kept_modules": len(kept),
-            "float_rounded": rounded, **({"q8_0": quantized} if quantized else {})}
+            "gguf_types": dict(sorted(types.items())), "dequantized_modules": len(found.dequantized - found.kept),
+            "codes_kept_modules": len(found.kept),
+            "float_rounded": found.rounded, **({"q8_0": found.quantized} if found.quantized else {})}
 
 
 def _q8_0(whole, qt, info, source: str) -> tuple:
@@ -544,73 +407,6 @@ def _differs(back, values, t: Planned, entry: Mapping | None) -> str | None:
 
 # --- read back: the mmproj file beside a VL text GGUF, as the Hugging Face vision tower -----------------
 
-def _qwen25_hf(vision: Mapping) -> list[str]:
-    names = ["patch_embed.proj.weight", "merger.ln_q.weight"] + [f"merger.mlp.{i}.{leaf}" for i in (0, 2)
-                                                                  for leaf in ("weight", "bias")]
-    for n in range(vision["depth"]):
-        names += [f"blocks.{n}.{m}.{leaf}" for m in ("attn.qkv", "attn.proj", "mlp.gate_proj", "mlp.up_proj",
-                                                     "mlp.down_proj") for leaf in ("weight", "bias")]
-        names += [f"blocks.{n}.norm1.weight", f"blocks.{n}.norm2.weight"]
-    return names
-
-
-def _qwen3_hf(vision: Mapping) -> list[str]:
-    merger = [f"{m}.{leaf}" for m in ("norm", "linear_fc1", "linear_fc2") for leaf in ("weight", "bias")]
-    names = ["patch_embed.proj.weight", "patch_embed.proj.bias", "pos_embed.weight"] + [f"merger.{m}" for m in merger]
-    names += [f"deepstack_merger_list.{k}.{m}" for k in range(len(vision["deepstack_visual_indexes"])) for m in merger]
-    for n in range(vision["depth"]):
-        names += [f"blocks.{n}.{m}.{leaf}" for m in ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2",
-                                                     "norm1", "norm2") for leaf in ("weight", "bias")]
-    return names
-
-
-def _common_vision(meta: Mapping, where) -> dict:
-    def u(key):
-        value = meta.get(f"clip.vision.{key}")
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise CorruptCheckpoint(f"its clip.vision.{key} is {value!r}, not a positive integer", file=where)
-        return value
-    return {"depth": u("block_count"), "hidden_size": u("embedding_length"), "intermediate_size":
-            u("feed_forward_length"), "num_heads": u("attention.head_count"), "in_channels": 3,
-            "out_hidden_size": u("projection_dim"), "patch_size": u("patch_size"),
-            "spatial_merge_size": u("spatial_merge_size") if "clip.vision.spatial_merge_size" in meta else 2,
-            "temporal_patch_size": 2,
-            "initializer_range": 0.02}
-
-
-def _qwen25_vision(meta: Mapping, shapes: Mapping, where) -> dict:
-    vision = _common_vision(meta, where)
-    pattern = meta.get("clip.vision.n_wa_pattern")
-    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
-        raise CorruptCheckpoint(f"its clip.vision.n_wa_pattern is {pattern!r}, not a positive integer", file=where)
-    return {**vision, "hidden_act": "silu", "model_type": "qwen2_5_vl_vision", "window_size": 112,
-            "fullatt_block_indexes": list(range(pattern - 1, vision["depth"], pattern))}
-
-
-def _qwen3_vision(meta: Mapping, shapes: Mapping, where) -> dict:
-    vision = _common_vision(meta, where)
-    flags = meta.get("clip.vision.is_deepstack_layers") or []
-    if not isinstance(flags, list) or len(flags) != vision["depth"]:
-        raise CorruptCheckpoint(f"its clip.vision.is_deepstack_layers is not one flag per vision layer "
-                                f"({vision['depth']})", file=where)
-    positions = shapes.get("v.position_embd.weight")
-    if positions is None:
-        raise CorruptCheckpoint("has no v.position_embd.weight, which the qwen3vl_merger graph needs", file=where)
-    return {**vision, "hidden_act": "gelu_pytorch_tanh", "model_type": "qwen3_vl_vision",
-            "num_position_embeddings": positions[0],
-            "deepstack_visual_indexes": [i for i, f in enumerate(flags) if f]}
-
-
-# what read_back adds beside the tower: the text config's model_type, the image processor's config
-_BACK = {
-    "qwen2_5_vl": (_qwen25_hf, _qwen25_vision, "qwen2_5_vl_text",
-                   {"min_pixels": 3136, "max_pixels": 12845056, "image_processor_type": "Qwen2VLImageProcessor",
-                    "processor_class": "Qwen2_5_VLProcessor"}),
-    "qwen3_vl": (_qwen3_hf, _qwen3_vision, "qwen3_vl_text",
-                 {"size": {"longest_edge": 16777216, "shortest_edge": 65536},
-                  "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor"}),
-}
-_BACK["qwen3_vl_moe"] = _BACK["qwen3_vl"][:2] + ("qwen3_vl_moe_text",) + _BACK["qwen3_vl"][3:]
 _BLOCK_TYPES = ("Q8_0",)            # block-typed tower weights read back as the gguf family's modules
 
 
@@ -654,7 +450,8 @@ def read_back(path: Path, model_type: str) -> ReadBack:
     if meta.get("clip.projector_type") != model.projector:
         raise UnsupportedFormat(f"its clip.projector_type {meta.get('clip.projector_type')!r} is not "
                                 f"{model.projector!r}, the {model_type} text model's projector", file=path)
-    hf_names, vision_of, text_type, processor = _BACK[model_type]
+    hf_names, vision_of, text_type, processor = model.hf_names, model.vision_config, model.text_model_type, \
+        model.processor
     stored = {t.name: t for t in header.tensors}
     shapes = {name: tuple(reversed(t.shape)) for name, t in stored.items()}
     checked(meta, shapes, model.projector, path)      # the clip keys, before anything is sized by them

@@ -24,6 +24,7 @@ from . import arch as garch
 from . import mmproj
 from .header import GGUFHeader
 from .split import read_gguf
+from .tokenizer import tokenizer_files, tokenizer_warning
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 ROPE_FREQS = "rope_freqs.weight"                  # llama-3's rope scaling, as llama.cpp's converter writes it
@@ -109,7 +110,7 @@ def rope_factors(t):
 def tokenizer_docs(path: Path) -> dict[str, dict]:
     """tokenizer.json and tokenizer_config.json rebuilt from a GGUF's metadata, as `qconv dequantize`
     writes them: what a folder converted from the GGUF gets (Component.made_files)."""
-    return garch.tokenizer_files(full_metadata(path), path)
+    return tokenizer_files(full_metadata(path), path)
 
 
 def open_gguf(path: Path) -> Component:
@@ -154,7 +155,7 @@ def open_gguf(path: Path) -> Component:
             types[name] = t.type_name
             if heads:
                 order[name] = heads
-    warnings = [w for w in [garch.tokenizer_warning(g.meta)] if w]
+    warnings = [w for w in [tokenizer_warning(g.meta)] if w]
     if back:                                          # the VL model whole: its vision tower from the pair
         tensors.update(back.tensors)
         types.update(back.ggml_types)
@@ -185,11 +186,6 @@ def _in_vl_model(hf: str) -> str:
     return "model.language_model." + hf[len("model."):] if hf.startswith("model.") else hf
 
 
-# the Qwen VL token ids (the released models'): config.json's where the GGUF's tokenizer has no such token
-_VL_TOKENS = {"image_token_id": ("<|image_pad|>", 151655), "video_token_id": ("<|video_pad|>", 151656),
-              "vision_start_token_id": ("<|vision_start|>", 151652), "vision_end_token_id": ("<|vision_end|>", 151653)}
-
-
 def vl_config(text: dict, meta: dict, back, where) -> dict:
     """config.json of the VL model a text GGUF and its mmproj file hold together: the text model's config
     (config_from) as its text_config, with llama.cpp's M-RoPE sections, and the tower's (read_back);
@@ -215,8 +211,9 @@ def vl_config(text: dict, meta: dict, back, where) -> dict:
                                 f"{len(vision['deepstack_visual_indexes'])} deepstack layers of {back.path.name}: "
                                 f"not one model", file=where)
     tokens = meta.get("tokenizer.ggml.tokens") or []
-    where_is = {t: i for i, t in enumerate(tokens) if t in {tok for tok, _ in _VL_TOKENS.values()}}
-    ids = {key: where_is.get(tok, default) for key, (tok, default) in _VL_TOKENS.items()}
+    declared = vl.vision.tokens                       # its token ids: the tokenizer's, else the released model's
+    where_is = {t: i for i, t in enumerate(tokens) if t in {tok for tok, _ in declared.values()}}
+    ids = {key: where_is.get(tok, default) for key, (tok, default) in declared.items()}
     return {"architectures": [vl.hf_class], "model_type": vl.model_type, "dtype": dtype, "text_config": text,
             "vision_config": vision,
             "tie_word_embeddings": text["tie_word_embeddings"], **ids}

@@ -3,10 +3,11 @@ split files past --max-shard-size), keeping each quantized module's codes in GGU
 the arithmetic allows (formats/gguf/codec.py has the table) and requantizing the rest from their exact
 weights, with the error reported per layer as every convert does.
 
-The plan is made from headers and configs alone (every tensor's name, GGUF type and size: GGUF's header
-comes first), then each module is read, encoded and written one at a time, so memory is bounded by one
-module; float tensors are copied slab by slab. The file is written into a temporary folder beside DST
-and moved to DST only when it is complete (staging.staged_output(files=True)).
+What is GGUF's own is here: the plan, made from headers and configs alone (every tensor's name, GGUF type
+and size, and the metadata: GGUF's header comes first), each module's blocks encoded as it is read (one at
+a time, so memory is bounded by one module; float tensors slab by slab), the component's report, and
+--validate's read-back of what was written (check). The rest is every target's: convert's engine
+(convert/engine.py run) opens, stages, writes and publishes the file through the GGUF sink (sink.py).
 
 Float tensors are stored as llama.cpp's converter stores them by default: 1-D (norms) as F32, 2-D
 (embeddings, lm_head) in the model's own 16-bit dtype, so nothing outside the quantized Linears changes.
@@ -25,7 +26,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ...errors import CorruptCheckpoint, NotStorable, OutputError, UnsupportedFormat, UsageError, ValidationFailed
+from ...errors import CorruptCheckpoint, NotStorable, UnsupportedFormat, ValidationFailed
 from ..core.activation import activation_report
 from ..core.experts import split_interleaved
 from ..core.layout import QuantModule, natural_key
@@ -34,9 +35,7 @@ from ..core.reader import model_dtype, read_module, require_decodable
 from ..core.requantize import requantize, unrepresentable
 from ..core.source import check_source, exact_rows, exact_weights, source_spec, split_experts, whole
 from ..core.tally import Stats, Tally
-from ..storage.checkpoint import Component, open_target
-from ..storage.safetensors_writer import DEFAULT_MAX_SHARD
-from ..storage.staging import staged_output, test_hook
+from ..storage.checkpoint import Component
 from ..storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, encode_float, plain_chunks, read_array, to_float32
 from . import arch as garch
 from . import codec, mmproj
@@ -485,79 +484,45 @@ def _file_type(outs: list[_Out]) -> int:
     return codec.FTYPE.get(top, codec.FTYPE_GUESSED)
 
 
-def _ahead(outs: list[_Out], jobs: int):
-    """Each tensor's chunks, in order. With jobs > 1 the quantized modules (read, decoded, encoded: numpy
-    work that leaves the GIL) are made in threads up to `jobs` tensors ahead of the one being written, so
-    memory stays bounded by that window of modules; float tensors stream slab by slab as they are
-    written. The bytes are the same whatever jobs."""
-    if jobs <= 1:
-        yield from (o.chunks() for o in outs)
-        return
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(jobs, thread_name_prefix="qconv-gguf") as pool:
-        pending = {}
-        try:
-            for i, o in enumerate(outs):
-                for j in range(i, min(i + jobs + 1, len(outs))):
-                    if j not in pending and outs[j].kept is not None:
-                        pending[j] = pool.submit(lambda o=outs[j]: list(o.chunks()))
-                yield pending.pop(i).result() if i in pending else o.chunks()
-        finally:
-            for f in pending.values():
-                f.cancel()
-
-
-def write(comp: Component, path: Path, opts: Options, max_shard: int, jobs: int = 1) -> dict:
+def header_keys(comp: Component, kv: list, outs: list[_Out]) -> list:
+    """Every (key, type, value) of the text GGUF's metadata, in the order written: the planned ones (plan's
+    third part), then general.*."""
     import gguf
 
-    tally = Tally()
-    det, outs, kv = plan(comp, opts, tally)
-    arch = arch_of(comp)
-    vision = mmproj.plan(comp, det.modules, opts.mmproj_type) if opts.mmproj and arch.text_of else None
-    split = max_shard if sum(o.nbytes for o in outs) > max_shard else 0     # gguf-py warns of a split it skips
-    writer = gguf.GGUFWriter(path, arch.name, split_max_size=split)
-    for key, kind, value in kv:
-        garch.add_key(writer, key, kind, value)
-    writer.add_string("general.name", _source_name(comp))
-    writer.add_uint32("general.file_type", _file_type(outs))
-    writer.add_uint32("general.quantization_version", gguf.GGML_QUANT_VERSION)
-    writer.add_string("general.quantized_by", "qconv")
-    for o in outs:
-        raw = getattr(gguf.GGMLQuantizationType, o.type_name)
-        if o.type_name not in _FLOAT_GGML:             # block types: [rows, row bytes]
-            writer.add_tensor_info(o.name, o.shape, np.dtype(np.uint8), o.nbytes, raw_dtype=raw)
-        elif o.type_name == "BF16":
-            writer.add_tensor_info(o.name, o.shape, np.dtype(np.uint16), o.nbytes, raw_dtype=raw)
-        else:
-            writer.add_tensor_info(o.name, o.shape, np.dtype(o.dtype), o.nbytes)
-    shards = [list(t) for t in writer.tensors]        # tensor names per file, in write order
-    files = writer.format_shard_names(path)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    by_name = {o.name: o for o in outs}
-    order = [(fout, by_name[name]) for fout, names in zip(writer.fout, shards) for name in names]
-    written = 0
-    for (fout, o), chunks in zip(order, _ahead([o for _, o in order], jobs)):
-        writer.write_padding(fout, fout.tell())
-        n = 0
-        for chunk in chunks:
-            b = np.ascontiguousarray(chunk)
-            fout.write(b.tobytes() if b.ndim == 0 else memoryview(b).cast("B"))
-            n += b.nbytes
-        if n != o.nbytes:
-            raise AssertionError(f"{o.name}: wrote {n} bytes, planned {o.nbytes}")
-        writer.write_padding(fout, n)
-        written += n
-        test_hook("tensor-written")
-    writer.close()
-    summary = tally.summary()
-    left = sum(1 for n in comp.tensors if arch.text_of and garch.is_vision(n))
+    return kv + [("general.name", "str", _source_name(comp)), ("general.file_type", "u32", _file_type(outs)),
+                 ("general.quantization_version", "u32", gguf.GGML_QUANT_VERSION),
+                 ("general.quantized_by", "str", "qconv")]
+
+
+def vision_of(comp: Component, det, opts: Options):
+    """The mmproj file's plan (mmproj.plan) where the text model's vision tower is written beside it, why not
+    (a sentence), or None (--no-mmproj, or a model with no vision tower)."""
+    return mmproj.plan(comp, det.modules, opts.mmproj_type) if opts.mmproj and arch_of(comp).text_of else None
+
+
+def _codes(o: _Out, requantized: set) -> str | None:
+    if o.stored_float:
+        return "float"
+    if o.kept is None:
+        return None
+    parts = [o.source.format(i) for i in range(o.experts)] if o.experts else [o.source]
+    return "requantized" if any(p in requantized for p in parts) else "kept"
+
+
+def _rounded(o: _Out) -> dict:
+    values = sum(r.values for r in o.rounded)
+    return {"rounded": {"to": o.type_name, "values": values,
+                        "max_rel_error": max(r.max_rel_error for r in o.rounded)}} if values else {}
+
+
+def report(comp: Component, det, opts: Options, outs: list[_Out], summary: dict, vision, files: list[Path],
+           written: int) -> dict:
+    """The component's report, once its file is written (files: the text GGUF's, split or not; written: its
+    tensors' bytes) and summary holds the tally's summary and, where written, the mmproj file's."""
+    text_of = arch_of(comp).text_of
+    left = sum(1 for n in comp.tensors if text_of and garch.is_vision(n))
     warnings = list(det.warnings)
-    if isinstance(vision, tuple):                     # the vision tower: llama.cpp's mmproj file beside DST
-        summary["mmproj"] = mmproj.write(comp, det, path.parent / mmproj.mmproj_name(path), vision)
-    elif left:
+    if not isinstance(vision, tuple) and left:
         warnings.append(f"{left} vision-tower tensors not written (--no-mmproj): llama.cpp reads a VL model's "
                         f"vision tower from an mmproj file")
     activations, lost = activation_report(det.modules, {}, "gguf", GGUF_ACTIVATIONS)
@@ -565,22 +530,8 @@ def write(comp: Component, path: Path, opts: Options, max_shard: int, jobs: int 
         summary["static_activation_scales"] = activations
     warnings += lost
     requantized = {r["module"] for r in summary["layers"]}
-
-    def codes(o: _Out) -> str | None:
-        if o.stored_float:
-            return "float"
-        if o.kept is None:
-            return None
-        parts = [o.source.format(i) for i in range(o.experts)] if o.experts else [o.source]
-        return "requantized" if any(p in requantized for p in parts) else "kept"
-
-    def rounded(o: _Out) -> dict:
-        values = sum(r.values for r in o.rounded)
-        return {"rounded": {"to": o.type_name, "values": values,
-                            "max_rel_error": max(r.max_rel_error for r in o.rounded)}} if values else {}
-
-    tensors = [{"tensor": o.name, "source": o.source, "type": o.type_name, "codes": codes(o),
-                **({"experts": o.experts} if o.experts else {}), **rounded(o)} for o in outs]
+    tensors = [{"tensor": o.name, "source": o.source, "type": o.type_name, "codes": _codes(o, requantized),
+                **({"experts": o.experts} if o.experts else {}), **_rounded(o)} for o in outs]
     by_type: dict[str, int] = {}
     for o in outs:
         by_type[o.type_name] = by_type.get(o.type_name, 0) + 1
@@ -590,48 +541,6 @@ def write(comp: Component, path: Path, opts: Options, max_shard: int, jobs: int 
                               if "rounded" in t],
             "shards": [f.name for f in files], "tensors": len(outs), "bytes_written": written,
             "warnings": warnings}
-
-
-def convert_to_gguf(src: Path, dst: Path, opts: Options, *, overwrite: bool = False, jobs: int = 1,
-                    max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False) -> dict:
-    import time
-
-    src, dst = Path(src), Path(dst)
-    if dst.suffix != ".gguf":
-        raise UsageError("--to gguf writes one .gguf file: give DST a name ending in .gguf", file=dst)
-    target = open_target(src)
-    if target.kind == "pipeline" or len(target.components) != 1 or (
-            target.kind == "file" and not looks_like_gguf(src)):
-        names = ", ".join(f"{src / c.name}" for c in target.components) if target.kind == "pipeline" else ""
-        raise UnsupportedFormat("--to gguf converts one model folder or GGUF file (a pipeline's language "
-                                f"model: give its folder{': ' + names if names else ''})", file=src)
-    comp = target.components[0]
-    _check_not_a_source_file(comp, dst)
-    t0 = time.monotonic()
-    with staged_output(src, dst, overwrite=overwrite, files=True) as tmp:
-        report = write(comp, tmp / dst.name, opts, max_shard_size, jobs)
-        if validate:                                  # before the move: a result that fails never reaches DST
-            report["validation"] = check(comp, [tmp / f for f in report["shards"]], report, dst)
-            if "mmproj" in report:
-                planned = mmproj.plan(comp, require_decodable(comp).modules, opts.mmproj_type)
-                report["mmproj"]["validation"] = mmproj.check(comp, require_decodable(comp), tmp / report["mmproj"]["file"],
-                                                              planned, report["mmproj"], dst)
-    return {"source": str(src), "destination": str(dst), "seconds": round(time.monotonic() - t0, 3),
-            "components": [report]}
-
-
-def _check_not_a_source_file(comp: Component, dst: Path) -> None:
-    """DST and the split files it may become (NAME-0000i-of-0000N.gguf) are none of a GGUF source's files,
-    the later files of a split source included (staging checks only SRC itself)."""
-    if not comp.path.is_file():
-        return
-    here = dst.absolute().parent.resolve()
-    mine = re.compile(re.escape(dst.stem) + r"-\d{5}-of-\d{5}\.gguf")
-    for f in comp.files:
-        f = f.resolve()
-        if f.parent == here and (f.name == dst.name or mine.fullmatch(f.name)):
-            raise OutputError(f"would replace {f.name}, a file of the source; write the output somewhere else",
-                              file=dst)
 
 
 def check(comp: Component, files: list[Path], report: dict, shown: Path) -> dict:

@@ -2,17 +2,69 @@
 the layout, codec.py (numpy) reads and writes the data. Its declarations: the mlx family, dialect (its
 config has no quant_method: recognised bare) and target."""
 
-from ..core.registry import Caps, Dialect, Family, Target, lazy, register, register_target
+from ..core.registry import Caps, Dialect, Family, Target
 from . import header as mlx
 
-register(Family("mlx", "MLX", frozenset({"mlx"}), lambda method, qc: method == "mlx", mlx.find_modules,
-                mlx.check, "mlx.codec", mlx.settings, rows=1, scale_tensor=".scales", source_spec="source_spec",
-                symmetric=lambda m, qc: False, state_leaves=(".scales", ".biases")))
-register(Dialect("mlx", frozenset({"mlx"}), mlx.lint, refuse=mlx.refuse, bare=mlx.is_config))
-# integer codes kept with b = -s * z, scales and biases in a dtype that holds them exactly (plan), groups of
-# 32 / 64 / 128, mlx-lm's config keys (model_config) and stacked experts (arrange)
-register_target(Target("mlx", "mlx", Caps(frozenset(mlx.BITS) - {1}, per_row=False, tiles_rows=True, fallback_bits=8,
-                                          divisor_scale="F16", group_sizes=frozenset(mlx.GROUPS)),
-                       mlx.writer_leaves, mlx.writer_config, "mlx.codec", fit=mlx.fit, plan=lazy("mlx.codec", "plan"),
-                       retarget=lazy("mlx.codec", "retarget"), share=mlx.share, model_config=mlx.model_config,
-                       arrange=mlx.arrange))
+
+class Mlx(Family):
+    name = "mlx"
+    method = "MLX"
+    config_methods = frozenset({"mlx"})
+    codec = "mlx.codec"
+    header = mlx
+    scale_tensor = ".scales"
+    row_multiple = 1
+    state_leaves = (".scales", ".biases")
+
+    def symmetric(self, m, qc) -> bool:
+        return False
+
+    def source_spec(self, m, tensors, qc):
+        """Integer zero points (b = -s * z), or none, decided from its scales and biases."""
+        return self.codec_module().source_spec(m, tensors, qc)
+
+
+class MlxDialect(Dialect):
+    name = "mlx"
+    config_methods = frozenset({"mlx"})
+    header = mlx
+
+    def refuse(self, qc):
+        return mlx.refuse(qc)
+
+    def bare(self, doc) -> bool:
+        return mlx.is_config(doc)
+
+
+class MlxTarget(Target):
+    """Integer codes kept with b = -s * z, scales and biases in a dtype that holds them exactly (plan), groups
+    of 32 / 64 / 128, mlx-lm's config keys (model_config) and stacked experts (arrange)."""
+    name = "mlx"
+    family = "mlx"
+    caps = Caps(frozenset(mlx.BITS) - {1}, per_row=False, tiles_rows=True, fallback_bits=8, divisor_scale="F16",
+                group_sizes=frozenset(mlx.GROUPS))
+    codec = "mlx.codec"
+
+    def leaves(self, spec, shape, g_idx, **settings):
+        return mlx.writer_leaves(spec, shape, g_idx, **settings)
+
+    def quantization_config(self, ctx):
+        return mlx.writer_config(ctx)
+
+    def fit(self, m, source_spec, request, negotiate):
+        return mlx.fit(m, source_spec, request, negotiate)
+
+    def share(self, settings):
+        return mlx.share(settings)
+
+    def model_config(self, config):
+        return mlx.model_config(config)
+
+    def arrange(self, outputs):
+        return mlx.arrange(outputs)
+
+    def plan(self, ctx):
+        return self.codec_module().plan(ctx)
+
+    def retarget(self, qt, spec, settings):
+        return self.codec_module().retarget(qt, spec, settings)

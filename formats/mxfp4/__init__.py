@@ -1,10 +1,24 @@
 """gpt-oss MXFP4: fused 3-D MoE experts (*_blocks / *_scales), one module per fused tensor; read only.
 Its declarations: the mxfp4 family and dialect."""
 
-from ..core.registry import Dialect, Family, register
+from ..core.registry import Dialect, Family
 from . import header as mxfp4
 
-register(Family("mxfp4", "gpt-oss MXFP4", frozenset({"mxfp4"}), lambda method, qc: method == "mxfp4",
-                mxfp4.find_modules, mxfp4.check, "mxfp4.codec", mxfp4.settings, scale_tensor="_scales",
-                symmetric=lambda m, qc: True, rows=1))
-register(Dialect("mxfp4", frozenset({"mxfp4"}), mxfp4.lint, refuse=mxfp4.refuse))
+
+class Mxfp4(Family):
+    name = "mxfp4"
+    method = "gpt-oss MXFP4"
+    config_methods = frozenset({"mxfp4"})
+    codec = "mxfp4.codec"
+    header = mxfp4
+    scale_tensor = "_scales"
+    row_multiple = 1
+
+
+class Mxfp4Dialect(Dialect):
+    name = "mxfp4"
+    config_methods = frozenset({"mxfp4"})
+    header = mxfp4
+
+    def refuse(self, qc):
+        return mxfp4.refuse(qc)

@@ -148,6 +148,18 @@ def _is_int(v) -> bool:
 def read_header(path: str | os.PathLike) -> Header:
     """Parse and validate the header of one safetensors file. Reads 8 + N bytes, never tensor data."""
     path = Path(path)
+    size, n, raw = _read_raw_header(path)
+    doc = _parse_json(raw, path)
+    metadata = _metadata(doc, path)
+    data_start = 8 + n
+    data_size = size - data_start
+    tensors, spans = _tensor_entries(doc, path, data_start, data_size)
+    _check_tiling(spans, data_size, path)
+    return Header(path, size, n, metadata, tensors)
+
+
+def _read_raw_header(path: Path) -> tuple[int, int, bytes]:
+    """(file size, header length N, the N header bytes), refusing a length field the file cannot hold."""
     try:
         with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
@@ -168,7 +180,11 @@ def read_header(path: str | os.PathLike) -> Header:
             raw = f.read(n)
     except OSError as exc:
         raise CorruptCheckpoint(f"cannot read: {exc.strerror or exc}", file=path) from None
+    return size, n, raw
 
+
+def _parse_json(raw: bytes, path: Path) -> dict:
+    """The header bytes as a JSON object: UTF-8, starting with '{', no duplicate keys."""
     try:
         text = raw.decode("utf-8")
         if not text.startswith("{"):
@@ -179,7 +195,11 @@ def read_header(path: str | os.PathLike) -> Header:
         raise CorruptCheckpoint(f"header is not a valid JSON object ({reason})", file=path) from None
     if not isinstance(doc, dict):
         raise CorruptCheckpoint("header is JSON but not an object", file=path)
+    return doc
 
+
+def _metadata(doc: dict, path: Path) -> dict:
+    """Pop ``__metadata__`` off the header: a mapping of strings to strings (null reads as empty)."""
     metadata = doc.pop("__metadata__", None)       # null is allowed (safetensors reads it as none)
     if metadata is None:
         metadata = {}
@@ -188,9 +208,13 @@ def read_header(path: str | os.PathLike) -> Header:
         found = type(metadata).__name__ if not isinstance(metadata, dict) else "other values"
         raise CorruptCheckpoint(f"__metadata__ must be an object mapping strings to strings (found "
                                 f"{found}); safetensors refuses this header", file=path)
+    return metadata
 
-    data_start = 8 + n
-    data_size = size - data_start
+
+def _tensor_entries(doc: dict, path: Path, data_start: int,
+                    data_size: int) -> tuple[dict[str, TensorInfo], list[tuple[int, int, str]]]:
+    """Each entry checked on its own (dtype, shape, offsets, byte size, inside the data buffer), in
+    one pass: the TensorInfos in header order, and their (begin, end, name) spans for the tiling."""
     tensors: dict[str, TensorInfo] = {}
     spans = []
     for name, entry in doc.items():
@@ -224,8 +248,11 @@ def read_header(path: str | os.PathLike) -> Header:
                 f"header); the file is truncated", file=path, tensor=name)
         tensors[name] = TensorInfo(name, dtype, tuple(shape), path, data_start + begin, nbytes)
         spans.append((begin, end, name))
+    return tensors, spans
 
-    # Offsets must tile the data buffer exactly: sorted, no overlap, no gap, nothing left over.
+
+def _check_tiling(spans: list[tuple[int, int, str]], data_size: int, path: Path) -> None:
+    """Offsets must tile the data buffer exactly: sorted, no overlap, no gap, nothing left over."""
     spans.sort()
     expected, previous = 0, None
     for begin, end, name in spans:
@@ -242,8 +269,6 @@ def read_header(path: str | os.PathLike) -> Header:
         raise CorruptCheckpoint(
             f"{data_size - expected} bytes after the last tensor are not described by the header "
             f"(tensors end at {expected}, data is {data_size} bytes)", file=path)
-
-    return Header(path, size, n, metadata, tensors)
 
 
 def read_small_tensors(infos, limit: int = 1 << 20) -> dict[str, bytes]:

@@ -4,8 +4,16 @@ them (core/source.data_free_modules picks them out); they are declared like ever
 generic code reads, windows and specs them through the registry, never by comparing a family's name."""
 
 from ..core.layout import UNQUANTIZED
-from ..core.registry import Family, register
+from ..core.registry import Family
 
-register(Family(UNQUANTIZED, "unquantized", frozenset(), lambda method, qc: False, lambda tensors, qc: [],
-                lambda m, tensors, qc: None, "unquantized.codec", needs_config=False, rows=1, source_spec="spec",
-                quantized=False))
+
+class Unquantized(Family):
+    name = UNQUANTIZED
+    method = "unquantized"
+    codec = "unquantized.codec"
+    needs_config = False
+    row_multiple = 1
+    quantized = False
+
+    def source_spec(self, m, tensors, qc):
+        return self.codec_module().spec(m, tensors, qc)

@@ -133,6 +133,26 @@ def _reach(edges, start) -> set[str]:
     return out
 
 
+# issue 46's measured shape: a source file a reader holds whole, a function a reader follows at once
+FILE_LINES, FUNCTION_LINES, LONG_FUNCTION_LINES, LONG_FUNCTIONS = 700, 100, 80, 3
+
+
+def test_the_measured_shape():
+    """No source file over 700 lines, no function over 100, at most 3 over 80."""
+    big, over, long = [], [], []
+    for mod, path in _modules():
+        text = path.read_text()
+        if len(text.splitlines()) > FILE_LINES:
+            big.append(f"{mod}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                (over if n > FUNCTION_LINES else long if n > LONG_FUNCTION_LINES else []).append(f"{mod}.{node.name}: {n}")
+    assert not big, f"source files over {FILE_LINES} lines: {big}"
+    assert not over, f"functions over {FUNCTION_LINES} lines: {over}"
+    assert len(long) <= LONG_FUNCTIONS, f"more than {LONG_FUNCTIONS} functions over {LONG_FUNCTION_LINES} lines: {long}"
+
+
 def test_core_and_storage_import_no_family():
     edges = _graph()
     bad = sorted((a, b) for a in ("formats/core", "formats/storage") for b in edges[a] if _is_family(b))
@@ -204,14 +224,34 @@ def test_the_checks_catch_a_planted_branch(tmp_path, monkeypatch, where, planted
 TOY = '''"""A format family that exists only in this test: one folder, nothing else changed."""
 
 from ..core.options import BITS, Option, integer
-from ..core.registry import Caps, Dialect, Family, Target, register, register_target
+from ..core.registry import Caps, Dialect, Family, Target
 
-register(Family("toy", "Toy", frozenset({"toy"}), lambda method, qc: method == "toy", lambda tensors, qc: [],
-                lambda m, tensors, qc: None, "toy.codec"))
-register(Dialect("toy", frozenset({"toy"}), lambda qc, modules, all_modules, comp, warnings: None))
-register_target(Target("toy", "toy", Caps(frozenset({4})), lambda spec, shape, g_idx: {}, lambda ctx: {}, "toy.codec",
-                       options=(BITS, Option("toy_level", "--toy-level", "toy: its level, 1..3.",
-                                             integer("toy_level", 1, 3), number=True))))
+
+class Toy(Family):
+    name = "toy"
+    method = "Toy"
+    config_methods = frozenset({"toy"})
+    codec = "toy.codec"
+
+
+class ToyDialect(Dialect):
+    name = "toy"
+    config_methods = frozenset({"toy"})
+
+
+class ToyTarget(Target):
+    name = "toy"
+    family = "toy"
+    caps = Caps(frozenset({4}))
+    codec = "toy.codec"
+    options = (BITS, Option("toy_level", "--toy-level", "toy: its level, 1..3.", integer("toy_level", 1, 3),
+                            number=True))
+
+    def leaves(self, spec, shape, g_idx, **settings):
+        return {}
+
+    def quantization_config(self, ctx):
+        return {}
 '''
 
 
@@ -263,3 +303,72 @@ def test_a_new_family_is_one_folder(tmp_path):
                    "bad": "toy_level (--toy-level) 7 is not an integer in 1..3",
                    "other": "--toy-level: --to gptq takes no such option; its options are --bits, --group-size, "
                             "--sym/--asym, --scale-dtype"}, got
+
+
+TOY_ARCH = '''"""GGUF architectures that exist only in this test: one module, nothing else changed."""
+
+from .base import Arch, Vision, register
+
+TOWER = Vision("toy_merger", lambda rest, config: None, lambda config, vision, pre, where: [],
+               lambda vision: [], lambda vision: [], lambda meta, shapes, where: {}, "toy_vl_text",
+               {"processor_class": "ToyProcessor"}, {"image_token_id": ("<|toy_image|>", 7)},
+               prefixes=("model.toy_tower.",))
+register(Arch("toylm", "toy_lm", "ToyLMForCausalLM", qk_norm=True))
+register(Arch("toyvl", "toy_vl", "ToyVLForConditionalGeneration", qk_norm=True, text_of="toylm", vision=TOWER))
+'''
+
+
+def test_a_new_gguf_architecture_is_one_module(tmp_path):
+    """A copy of qconv with one more module under formats/gguf/archs/ and no other change: its text model
+    and its VL model are mapped (arch_of, a config read back from a GGUF's metadata, its tensors' names),
+    its tower is an mmproj tower with its token ids and where its tensors lie, and the structural checks
+    hold its model types' attention to the config; a model type it does not declare is still refused,
+    and declaring one of its names again is refused."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    copy = tmp_path / "qconv"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".*", "tests", "fixtures", "benchmarks", "docs", "bin",
+                                                               "*.egg-info", "__pycache__"))
+    (copy / "formats" / "gguf" / "archs" / "toy.py").write_text(TOY_ARCH)
+    script = ("import json, sys, qconv\n"
+              "assert qconv.__file__.startswith(sys.argv[1]), qconv.__file__\n"
+              "from qconv.errors import UnsupportedFormat\n"
+              "from qconv.formats.core.structure import disagreements\n"
+              "from qconv.formats.gguf import arch, archs, mmproj\n"
+              "def refused(call, *args):\n"
+              "    try:\n"
+              "        call(*args)\n"
+              "    except (UnsupportedFormat, ValueError) as exc:\n"
+              "        return str(exc)\n"
+              "meta = {'general.architecture': 'toylm', 'toylm.attention.head_count': 4,\n"
+              "        'toylm.embedding_length': 64, 'toylm.feed_forward_length': 128, 'toylm.block_count': 1,\n"
+              "        'tokenizer.ggml.tokens': ['a', 'b']}\n"
+              "config = arch.config_from(meta, 'toy.gguf')\n"
+              "q = {'model.layers.0.self_attn.q_proj.weight': (48, 64)}\n"
+              "print(json.dumps({'text': arch.arch_of({'model_type': 'toy_lm'}, 'c').name,\n"
+              "                  'vl': arch.arch_of({'model_type': 'toy_vl'}, 'c').text_of,\n"
+              "                  'back': [config['model_type'], config['architectures'], config['vocab_size']],\n"
+              "                  'names': arch.hf_tensor_names({'model_type': 'toy_vl', 'num_hidden_layers': 1},\n"
+              "                                                archs.ARCHS['toy_vl'])[3:5],\n"
+              "                  'tower': [mmproj.MODELS['toy_vl'].projector, mmproj.MODELS['toy_vl'].tokens],\n"
+              "                  'vision': arch.is_vision('model.toy_tower.blocks.0.weight'),\n"
+              "                  'checked': [d.key for d in disagreements(config, q)],\n"
+              "                  'unchecked': disagreements({**config, 'model_type': 'toy_other'}, q),\n"
+              "                  'undeclared': refused(arch.arch_of, {'model_type': 'toy_other'}, 'c'),\n"
+              "                  'twice': refused(archs.register, archs.ARCHS['toy_lm'])}))\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(copy)], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got == {"text": "toylm", "vl": "toylm", "back": ["toy_lm", ["ToyLMForCausalLM"], 2],
+                   "names": ["model.language_model.layers.0.self_attn.q_proj.weight",
+                             "model.language_model.layers.0.self_attn.k_proj.weight"],
+                   "tower": ["toy_merger", {"image_token_id": ["<|toy_image|>", 7]}], "vision": True,
+                   "checked": ["num_attention_heads"], "unchecked": [],
+                   "undeclared": "c: model_type 'toy_other' has no GGUF mapping in qconv (mapped: llama, qwen2, "
+                                 "qwen2_5_vl, qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe, toy_lm, toy_vl); nothing "
+                                 "written",
+                   "twice": "GGUF architecture 'toylm' (toy_lm) is declared twice"}, got

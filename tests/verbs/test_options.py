@@ -104,7 +104,12 @@ def test_the_model_checks_names_and_values():
         warnings.simplefilter("error")
         opts = Options("gguf", bits=4, gguf_asym="q4_1")
     assert (opts.bits, opts.gguf_asym, opts.gguf_float, opts.gguf_float_type) == (4, "Q4_1", False, "auto")
-    assert opts.double_quant is None and opts.block_size is None       # other targets' options: their defaults
+    # another target's option is no attribute of this one (issue 46: a writer reads only what its target
+    # declares); code serving every target reads it as "not given"
+    for other in ("double_quant", "block_size"):
+        with pytest.raises(AttributeError, match=f"--to gguf does not declare the option '{other}'"):
+            getattr(opts, other)
+        assert opts.get(other) is None
     with pytest.raises(AttributeError):
         opts.bits = 8
 

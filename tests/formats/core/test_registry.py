@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from qconv.formats.storage.checkpoint import open_target
 from qconv.formats.core.reader import read_module, require_decodable
-from qconv.formats.core.registry import ModuleContext, WriteContext, family, target, targets
+from qconv.formats.core.registry import ModuleContext, Target, WriteContext, family, target, targets
 
 from conftest import CHECKPOINTS
 
@@ -45,13 +45,13 @@ def _source(name):
 
 def _kept(tgt, qt, spec, settings):
     """qt in the target's terms with its codes kept, as convert writes it (Target.retarget)."""
-    return tgt.retarget(qt, spec, settings)[0] if tgt.retarget is not None else qt
+    return tgt.retarget(qt, spec, settings)[0] if tgt.overrides(Target.retarget) else qt
 
 
 def _settings(tgt, m, spec, qt, g_idx, request=None, reason=None, make=None, tensors=None):
     """The settings the target's plan gives the module ({} without a plan), then its share hook as for
     a model of this one module; make(settings) -> the QuantTensor it encodes (default: qt kept)."""
-    if tgt.plan is None:
+    if not tgt.overrides(Target.plan):
         return {}
     from qconv.convert.convert import Options
 
@@ -61,7 +61,7 @@ def _settings(tgt, m, spec, qt, g_idx, request=None, reason=None, make=None, ten
     settings = tgt.plan(ModuleContext(m, spec, reason, request or Options(tgt.name), qt.dtype,
                                       lambda trial: tgt.encode(make(trial), spec, g_idx), qt.dequantize, tensors,
                                       activation=static_activation(m, tensors or {})))
-    return tgt.share({m.name: settings})[m.name] if tgt.share is not None else settings
+    return tgt.share({m.name: settings})[m.name]
 
 
 def _shapes(stored):
@@ -78,7 +78,7 @@ def test_leaves_are_what_the_encoder_stores_and_it_reads_back(tmp_path, name):
         spec = replace(spec, symmetric=True)
     qt = replace(qt, spec=spec)
     g_idx = tgt.g_idx == "always"
-    if tgt.fit is not None:                  # a target fitting modules itself keeps this one's codes as they are
+    if tgt.overrides(Target.fit):            # a target fitting modules itself keeps this one's codes as they are
         from qconv.convert.convert import Options
 
         unfitted = lambda caps=None: (spec.bits, spec.group_size, spec.symmetric, None)  # noqa: E731
@@ -104,7 +104,7 @@ def test_leaves_are_what_the_encoder_stores_and_it_reads_back(tmp_path, name):
             t = t.to(_TORCH[dtype])
         arrays[f"{MODULE}.{leaf}"] = t
     save_file(arrays, folder / "model.safetensors")
-    qc = tgt.config(WriteContext({MODULE: spec}, (), False, None, {MODULE: settings}))
+    qc = tgt.quantization_config(WriteContext({MODULE: spec}, (), False, None, {MODULE: settings}))
     (folder / "config.json").write_text(json.dumps({"quantization_config": qc, "dtype": "float16"}))
     comp = open_target(folder).components[0]
     det = require_decodable(comp)
@@ -136,7 +136,7 @@ REQUANTIZED = {"bnb4-nf4": ("llama-bnb4-fp4", dict(block_size=128, double_quant=
 
 # (modelopt-nvfp4 requantizes nothing: its plan refuses every source whose codes it cannot keep,
 # test_modelopt_nvfp4_writer.py)
-@pytest.mark.parametrize("name", [t.name for t in targets() if t.plan is not None and t.requantize is not None])
+@pytest.mark.parametrize("name", [t.name for t in targets() if t.overrides(Target.plan) and t.overrides(Target.requantize)])
 def test_planned_settings_are_what_a_requantized_module_stores(name):
     from qconv.convert.convert import Options
 

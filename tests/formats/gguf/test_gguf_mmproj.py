@@ -104,6 +104,7 @@ def test_q8_0_keeps_bitsandbytes_codes(tmp_path, monkeypatch):
     from qconv.errors import ValidationFailed
     from qconv.formats.core.request import Options
     from qconv.formats.gguf import mmproj, writer
+    from qconv.convert.convert import convert as convert_to_gguf   # the engine, through the GGUF sink
 
     src = CHECKPOINTS / "qwen3vl-bnb8-skipvisual"
     comp = _convert(src, tmp_path / "m.gguf", "--mmproj-type", "q8_0", "--validate")
@@ -136,7 +137,7 @@ def test_q8_0_keeps_bitsandbytes_codes(tmp_path, monkeypatch):
         return blocks, how
     monkeypatch.setattr(mmproj, "_q8_0", one_code_off)
     with pytest.raises(ValidationFailed, match=r"mmproj-m\.gguf: \S+ does not read back as \S+'s codes"):
-        writer.convert_to_gguf(src, tmp_path / "bad" / "m.gguf", Options("gguf", mmproj_type="q8_0"), validate=True)
+        convert_to_gguf(src, tmp_path / "bad" / "m.gguf", Options("gguf", mmproj_type="q8_0"), validate=True)
     assert not (tmp_path / "bad").exists()
 
 
@@ -271,6 +272,7 @@ def test_validate_reads_the_mmproj_file_back(tmp_path, monkeypatch):
     from qconv.errors import ValidationFailed
     from qconv.formats.core.request import Options
     from qconv.formats.gguf import writer
+    from qconv.convert.convert import convert as convert_to_gguf   # the engine, through the GGUF sink
 
     comp = _convert(CHECKPOINTS / "qwen25vl-bf16", tmp_path / "ok" / "m.gguf", "--validate", "--mmproj-type", "f16")
     assert comp["mmproj"]["validation"] == {"ok": True, "tensors": 39, "reader": "gguf-py (GGUFReader, quants.dequantize)"}
@@ -281,7 +283,7 @@ def test_validate_reads_the_mmproj_file_back(tmp_path, monkeypatch):
         return (stored.view(np.uint16) ^ np.uint16(1)).view(stored.dtype)
     monkeypatch.setattr(writer.Rounding, "encode", off_by_one_ulp)
     with pytest.raises(ValidationFailed, match=r"mmproj-m\.gguf: \S+ does not read back as visual\."):
-        writer.convert_to_gguf(CHECKPOINTS / "qwen25vl-bf16", tmp_path / "bad" / "m.gguf",
+        convert_to_gguf(CHECKPOINTS / "qwen25vl-bf16", tmp_path / "bad" / "m.gguf",
                                Options("gguf", mmproj_type="f16"), validate=True)
     assert not (tmp_path / "bad").exists()
 

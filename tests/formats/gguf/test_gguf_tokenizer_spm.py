@@ -1,5 +1,5 @@
 """SentencePiece tokenizers into GGUF (`qconv convert SRC out.gguf --to gguf`, formats/gguf/spm.py and
-arch._sentencepiece_tokenizer): a folder with tokenizer.model gets llama.cpp's "llama" vocab.
+tokenizer._sentencepiece_tokenizer): a folder with tokenizer.model gets llama.cpp's "llama" vocab.
 
 The tokenizer is fixtures/tokenizers/llama-spm (a real BPE model with byte fallback and 512 pieces,
 trained by the sentencepiece trainer: fixtures/make_spm_tokenizer.py), paired with llama-gptq-w8g128's
@@ -135,7 +135,7 @@ def _converter(src: Path, dst: Path) -> dict:
     return tokenizer_fields(dst)
 
 
-# the keys where qconv writes more than llama.cpp's converter, on purpose (arch._sentencepiece_tokenizer):
+# the keys where qconv writes more than llama.cpp's converter, on purpose (tokenizer._sentencepiece_tokenizer):
 # the model's add_dummy_prefix (llama.cpp's default for "llama" is the same, true) and the unk id named
 # by tokenizer_config.json's unk_token (the converter finds names only in a tokenizer.json; llama.cpp's
 # default unk for "llama" is the same, 0)
@@ -330,7 +330,7 @@ def test_every_truncation_is_refused_and_no_length_is_allocated(tmp_path):
 
 def test_a_llama_vocab_reads_back_as_a_tokenizer_transformers_loads(tmp_path, sp):
     """`qconv dequantize` (and convert to a folder) of a GGUF with llama.cpp's "llama" vocabulary writes
-    tokenizer.json (arch._llama_tokenizer_json, transformers' LlamaConverter's form) and
+    tokenizer.json (tokenizer._llama_tokenizer_json, transformers' LlamaConverter's form) and
     tokenizer_config.json: transformers loads them and gives sentencepiece's ids with bos first, and
     decodes them back, on every string but the one that spells <s> (which transformers, as for Llama-2's
     own tokenizer.json, matches as the special token)."""

@@ -447,13 +447,14 @@ def test_validate_catches_a_wrong_row_order(tmp_path, monkeypatch):
     """Negative control: with llama's q / k permutation left out, --validate (which reads the file back
     through gguf-py and undoes the permutation) fails and nothing is written."""
     from qconv.formats.gguf import writer as to_gguf
+    from qconv.convert.convert import convert as convert_to_gguf   # the engine, through the GGUF sink
     from qconv.errors import ValidationFailed
 
     monkeypatch.setattr(to_gguf.codec, "permute_rows", lambda blocks, heads: blocks)
     from qconv.convert.convert import Options
 
     with pytest.raises(ValidationFailed, match=r"attn_[qk]\.weight"):
-        to_gguf.convert_to_gguf(CHECKPOINTS / "llama-gptq-w8g128", tmp_path / "m.gguf", Options("gguf"), validate=True)
+        convert_to_gguf(CHECKPOINTS / "llama-gptq-w8g128", tmp_path / "m.gguf", Options("gguf"), validate=True)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -611,6 +612,7 @@ def test_validate_catches_a_wrong_float_conversion(tmp_path, monkeypatch):
     import dataclasses
 
     from qconv.formats.gguf import writer as to_gguf
+    from qconv.convert.convert import convert as convert_to_gguf   # the engine, through the GGUF sink
     from qconv.convert.convert import Options
     from qconv.errors import ValidationFailed
 
@@ -618,7 +620,7 @@ def test_validate_catches_a_wrong_float_conversion(tmp_path, monkeypatch):
         m.setattr(to_gguf.Rounding, "encode",
                   lambda self, x32: (np.ascontiguousarray(x32, np.float32).view(np.uint32) >> 16).astype(np.uint16))
         with pytest.raises(ValidationFailed, match=r"weight .*does not read back as the source"):
-            to_gguf.convert_to_gguf(CHECKPOINTS / "llama-fp16", tmp_path / "m.gguf",
+            convert_to_gguf(CHECKPOINTS / "llama-fp16", tmp_path / "m.gguf",
                                     Options("gguf", gguf_float_type="bf16"), validate=True)
     assert list(tmp_path.iterdir()) == []
     real = to_gguf.requantize
@@ -629,7 +631,7 @@ def test_validate_catches_a_wrong_float_conversion(tmp_path, monkeypatch):
 
     monkeypatch.setattr(to_gguf, "requantize", under_reported)
     with pytest.raises(ValidationFailed, match=r"(token_embd|output)\.weight .*relative error"):
-        to_gguf.convert_to_gguf(CHECKPOINTS / "llama-gptq-w8g128", tmp_path / "m.gguf",
+        convert_to_gguf(CHECKPOINTS / "llama-gptq-w8g128", tmp_path / "m.gguf",
                                 Options("gguf", gguf_float_type="q8_0"), validate=True)
     assert list(tmp_path.iterdir()) == []
 

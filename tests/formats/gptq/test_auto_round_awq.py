@@ -116,12 +116,12 @@ def test_asymmetric_packings_put_sym_false_on_top():
     specs = {n: _spec(sym=i > 0) for i, n in enumerate(names)}
     ctx = WriteContext(specs, ("model.layers.0.mlp.up_proj", "lm_head"), False, None)
     for name, packing in (("auto-round:auto_awq", "auto_round:auto_awq"), ("auto-round:plain", "auto_round")):
-        qc = target(name).config(ctx)
+        qc = target(name).quantization_config(ctx)
         assert (qc["packing_format"], qc["sym"], qc["bits"], qc["group_size"]) == (packing, False, 4, 64)
         assert qc["extra_config"] == {**{n: {"sym": True} for n in names[1:]},
                                       "model.layers.0.mlp.up_proj": {"bits": 16}}
     sym_only = {n: _spec(sym=True) for n in names}
-    assert target("auto-round").config(WriteContext(sym_only, (), False, None))["sym"] is True
+    assert target("auto-round").quantization_config(WriteContext(sym_only, (), False, None))["sym"] is True
 
 
 def test_the_packings_are_internal_targets():
