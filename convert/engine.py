@@ -26,8 +26,7 @@ from ..formats.storage.safetensors_writer import DEFAULT_MAX_SHARD, ShardWriter,
 from ..formats.storage.tensor_io import plain_chunks
 from ..progress import report
 from .parallel import Replan, threads, write_shards
-from .sink import (CopyPlan, FolderSink, Sink, carry, copy_file, copy_other_files, plan_other_files,  # noqa: F401
-                   plan_pipeline_copies)
+from .sink import CopyPlan, Sink, carry, plan_other_files
 from ..formats.storage.staging import staged_output, test_hook
 
 

@@ -140,14 +140,6 @@ def carry(plan: CopyPlan, out: Path) -> None:
         copy_file(src, out / rel)
 
 
-def copy_other_files(src: Path, dst: Path, root: SourceRoot | None = None) -> list[str]:
-    """Every top-level file but the weights, the index, config.json (rewritten), stand-alone quant
-    configs (replaced by config.json's) and pickles (never carried along)."""
-    plan = plan_other_files(src, root)
-    carry(plan, dst)
-    return [rel for _, rel in plan.files]
-
-
 def _output_folder(tmp: Path, comp: Component) -> Path:
     """A pipeline component's output folder: a plain name, so it stays inside the staging folder."""
     if not plain_name(comp.name):

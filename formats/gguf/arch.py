@@ -17,7 +17,6 @@ from typing import Mapping
 from ...errors import CorruptCheckpoint, UnsupportedFormat
 from .archs import ARCHS, BY_GGUF_NAME, UNWRITTEN, Arch, vision_prefixes
 from .tokenizer import special_id
-from .tokenizer import tokenizer  # noqa: F401  (writer.py's: the tokenizer's keys beside hparams())
 
 _TEXT_PREFIX = "model.language_model."
 

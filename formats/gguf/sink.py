@@ -21,7 +21,6 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ...errors import OutputError, UnsupportedFormat, UsageError
-from ..core.reader import require_decodable
 from ..core.request import Options
 from ..core.tally import Tally
 from ..storage.checkpoint import Component
@@ -117,7 +116,7 @@ class GGUFSink:
 
     def __init__(self, opts: Options, *, max_shard: int, jobs: int = 1, validate: bool = False):
         self.opts, self.max_shard, self.jobs, self.validate = opts, max_shard, jobs, validate
-        self._vision: dict[str, tuple] = {}            # component -> the mmproj file's plan, for check
+        self._vision: dict[str, tuple] = {}            # component -> (its detection, the mmproj file's plan), for check
 
     def destination(self, src: Path, dst: Path) -> None:
         if dst.suffix != ".gguf":
@@ -149,7 +148,7 @@ class GGUFSink:
                                     lambda order: _ahead(order, self.jobs), split)
         summary = tally.summary()
         if isinstance(vision, tuple):                  # the vision tower: llama.cpp's mmproj file beside DST
-            self._vision[comp.name] = vision
+            self._vision[comp.name] = (det, vision)
             summary["mmproj"] = self._mmproj(comp, det, out.parent / mmproj.mmproj_name(out), vision)
         return writer.report(comp, det, self.opts, outs, summary, vision, files, written)
 
@@ -167,6 +166,6 @@ class GGUFSink:
         for comp, out, report in written:
             report["validation"] = writer.check(comp, [out.parent / f for f in report["shards"]], report, dst)
             if "mmproj" in report:
-                report["mmproj"]["validation"] = mmproj.check(comp, require_decodable(comp),
-                                                              out.parent / report["mmproj"]["file"],
-                                                              self._vision[comp.name], report["mmproj"], dst)
+                det, vision = self._vision[comp.name]
+                report["mmproj"]["validation"] = mmproj.check(comp, det, out.parent / report["mmproj"]["file"], vision,
+                                                              report["mmproj"], dst)

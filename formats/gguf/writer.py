@@ -39,6 +39,7 @@ from ..storage.checkpoint import Component
 from ..storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, encode_float, plain_chunks, read_array, to_float32
 from . import arch as garch
 from . import codec, mmproj
+from .tokenizer import tokenizer
 from .codec import Rounding
 from .header import GGUF_BITS, looks_like_gguf
 from .source import ROPE_FREQS as ROPE_FREQS_TENSOR, rope_factors
@@ -397,7 +398,7 @@ def _metadata(comp: Component, arch) -> list:
     fields = _source_fields(comp)
     if fields is not None:
         return [kv for kv in fields if kv[0].startswith((f"{arch.name}.", "tokenizer."))]
-    return garch.hparams(comp.config, arch, comp.path) + garch.tokenizer(comp.path, comp.config, comp.root)
+    return garch.hparams(comp.config, arch, comp.path) + tokenizer(comp.path, comp.config, comp.root)
 
 
 def plan(comp: Component, opts: Options, tally: Tally) -> tuple[object, list[_Out], list]:
