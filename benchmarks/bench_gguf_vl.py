@@ -10,6 +10,15 @@ F32 by default; `--mmproj-type q8_0` keeps its codes), next to
   bench_convert.py and bench_gguf.py).
 
     .venv/bin/python benchmarks/bench_gguf_vl.py [--runs 3] [--mmproj-types auto,q8_0] [--jobs-1] [--work DIR]
+    .venv/bin/python benchmarks/bench_gguf_vl.py --layout qwen3vl-30b-a3b --layers 4 --random --mmproj-types auto
+
+The second is Qwen3-VL-30B-A3B as released (fixtures/layouts/qwen3vl-30b-a3b.json, from
+make_qwen3vl_30b_a3b.py: bfloat16, every tensor full-size, the fused experts in the released transposed
+layout [128, 2048, 1536] / [128, 768, 2048]), its first N decoder layers (the disk holds N of the 48; each
+layer is the same 1.2 GB of experts, so memory and GB/s do not depend on N), filled with N(0, 0.02) weights
+(--random: written, so reading them costs real I/O, and the Q8_0 encoder sees real values): bfloat16 ->
+Q8_0 for the text decoder (every expert read from the transposed fused tensors one expert at a time), the
+tower -> mmproj.
 
 What the built folder gets beside the layout. A GGUF needs a tokenizer and an mmproj needs the image
 processor's config; the layout holds tensors and config.json only, so the benchmark adds, in its own
@@ -50,7 +59,6 @@ from tabulate import tabulate
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-LAYOUT = REPO / "fixtures" / "layouts" / "qwen3vl-8b-bnb8.json"
 FIXTURE = REPO / "fixtures" / "checkpoints" / "qwen3vl-bnb8-skipvisual"
 PREPROCESSOR = {"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16,
                 "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
@@ -73,11 +81,65 @@ with open(out / "raw.bin", "wb", buffering=0) as h:
 """
 
 
-def make_source(work: Path) -> Path:
+FILL = r"""
+import json, struct, sys
+from pathlib import Path
+import numpy as np
+rng = np.random.default_rng(0)
+for f in sorted(Path(sys.argv[1]).glob("*.safetensors")):
+    with open(f, "r+b") as h:
+        (n,) = struct.unpack("<Q", h.read(8))
+        header = json.loads(h.read(n))
+        if any(v["dtype"] != "BF16" for k, v in header.items() if k != "__metadata__"):
+            raise SystemExit(f"{f}: --random fills bfloat16 layouts only")
+        h.seek(0, 2)
+        left = h.tell() - 8 - n
+        h.seek(8 + n)
+        while left:
+            k = min(left // 2, 1 << 22)
+            w = (rng.standard_normal(k, np.float32) * np.float32(0.02)).view(np.uint32) >> 16
+            h.write(w.astype(np.uint16).tobytes())
+            left -= 2 * k
+"""
+
+
+def layout_of(name: str, layers: int, work: Path) -> Path:
+    """The layout JSON, or a copy of it keeping only its first `layers` decoder layers (the config's
+    num_hidden_layers set to match): every tensor keeps its full size."""
+    path = REPO / "fixtures" / "layouts" / f"{name}.json"
+    if not layers:
+        return path
+    layout = json.loads(path.read_text())
+    text = layout["config"].get("text_config", layout["config"])
+    if layers > text["num_hidden_layers"]:
+        raise SystemExit(f"{name} has {text['num_hidden_layers']} layers, not {layers}")
+    text["num_hidden_layers"] = layers
+    layout["tensors"] = [t for t in layout["tensors"] if ".layers." not in t[0] or "visual" in t[0]
+                         or int(t[0].split(".layers.")[1].split(".")[0]) < layers]
+    out = work / f"{name}-{layers}-layers.json"
+    out.write_text(json.dumps(layout))
+    return out
+
+
+def own_layout(layout: Path, work: Path) -> Path:
+    """The same layout with its fused experts in transformers' own saved shapes ([E, 2I, H] / [E, H, I],
+    the transpose of the released ones): --own-too times both."""
+    data = json.loads(layout.read_text())
+    data["tensors"] = [[n, d, [s[0], s[2], s[1]] if n.endswith(("experts.gate_up_proj", "experts.down_proj")) else s]
+                       for n, d, s in data["tensors"]]
+    out = work / f"own-{layout.name}"
+    out.write_text(json.dumps(data))
+    return out
+
+
+def make_source(work: Path, layout: Path, random: bool, name: str = "src") -> Path:
     """The layout built (in a child process: this one must stay small, since a forked child's peak RSS
-    starts from its parent's), with the tokenizer and the image processor's config described above."""
-    src = work / "src"
-    subprocess.run([sys.executable, REPO / "fixtures" / "layouts" / "build.py", LAYOUT, src], check=True)
+    starts from its parent's), with the tokenizer and the image processor's config described above;
+    --random fills a bfloat16 layout's data with N(0, 0.02) weights (written, so the disk holds them)."""
+    src = work / name
+    subprocess.run([sys.executable, REPO / "fixtures" / "layouts" / "build.py", layout, src], check=True)
+    if random:
+        subprocess.run([sys.executable, "-c", FILL, src], check=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(FIXTURE / name, src / name)
     (src / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
@@ -118,20 +180,32 @@ def main() -> None:
     ap.add_argument("--mmproj-types", default="auto,q8_0", help="comma-separated --mmproj-type values")
     ap.add_argument("--jobs-1", action="store_true", help="also the first type with --jobs 1")
     ap.add_argument("--work", type=Path, help="work folder (default: a temporary folder in /tmp)")
+    ap.add_argument("--layout", default="qwen3vl-8b-bnb8", choices=("qwen3vl-8b-bnb8", "qwen3vl-30b-a3b"),
+                    help="fixtures/layouts/<name>.json (qwen3vl-30b-a3b: Qwen3-VL-30B-A3B bfloat16 as released)")
+    ap.add_argument("--layers", type=int, default=0, help="only the first N decoder layers (0: all)")
+    ap.add_argument("--random", action="store_true", help="fill a bfloat16 layout with random weights")
+    ap.add_argument("--own-too", action="store_true",
+                    help="qwen3vl-30b-a3b: also the same model with its experts in transformers' own layout")
     args = ap.parse_args()
     qconv = str(Path(sys.executable).parent / "qconv")
-    variants = [(t, ()) for t in args.mmproj_types.split(",")]     # (--mmproj-type, other flags)
+    variants = [(t, (), "src") for t in args.mmproj_types.split(",")]     # (--mmproj-type, other flags, source)
     if args.jobs_1:
-        variants.append((variants[0][0], ("--jobs", "1")))
+        variants.append((variants[0][0], ("--jobs", "1"), "src"))
+    if args.own_too:
+        variants.append((variants[0][0], (), "own"))
     work = Path(tempfile.mkdtemp(dir=args.work or "/tmp", prefix="bench-gguf-vl-"))
     try:
-        src = make_source(work)
+        layout = layout_of(args.layout, args.layers, work)
+        sources = {"src": make_source(work, layout, args.random)}
+        if args.own_too:
+            sources["own"] = make_source(work, own_layout(layout, work), args.random, "own")
+        src = sources["src"]
         src_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
         out, log = work / "out", work / "log.txt"
         cmds, sizes, summaries = {}, {}, {}
         for v in variants:
-            t, extra = v
-            cmds[v] = [qconv, "convert", src, out / "out.gguf", "--to", "gguf", "--mmproj-type", t, *extra]
+            t, extra, key = v
+            cmds[v] = [qconv, "convert", sources[key], out / "out.gguf", "--to", "gguf", "--mmproj-type", t, *extra]
             clear(out)
             r = measure(cmds[v], log)                                   # warm-up; the output sizes
             sizes[v] = outputs(out)
@@ -140,7 +214,8 @@ def main() -> None:
         for _ in range(args.runs):
             for v in variants:
                 clear(out)
-                results[v]["raw"].append(measure([sys.executable, "-c", RAW, src, out, str(sum(sizes[v].values()))],
+                results[v]["raw"].append(measure([sys.executable, "-c", RAW, sources[v[2]], out,
+                                                  str(sum(sizes[v].values()))],
                                                   log))
                 clear(out)
                 results[v]["qconv"].append(measure(cmds[v], log))
@@ -157,14 +232,18 @@ def main() -> None:
                  f"{statistics.median(r['cpu'] / r['wall'] for r in rs):.2f}",
                  f"{wall / base:.2f}x" if base else "", f"{min(loads):.1f}-{max(loads):.1f}"], wall)
 
+    def label(v):
+        t, extra, key = v
+        return (f"--mmproj-type {t}{' ' + ' '.join(extra) if extra else ''}"
+                + (", experts in transformers' own layout" if key == "own" else ""))
+
     table = []
     for v in variants:
-        t, extra = v
         raw, base = row("raw bytes: read the source, write as many bytes (same disk)", results[v]["raw"])
-        q, _ = row(f"`qconv convert --to gguf --mmproj-type {t}{' ' + ' '.join(extra) if extra else ''}`",
-                   results[v]["qconv"], base)
+        q, _ = row(f"`qconv convert --to gguf {label(v)}`", results[v]["qconv"], base)
         table += [q, raw]
-    print(f"Qwen3-VL-8B bitsandbytes int8 layout ({src_bytes / 1e9:.2f} GB of safetensors, sparse) -> GGUF + mmproj: "
+    what = f"{args.layout} layout" + (f", its first {args.layers} decoder layers" if args.layers else "")
+    print(f"{what} ({src_bytes / 1e9:.2f} GB of safetensors, {'random' if args.random else 'sparse'}) -> GGUF + mmproj: "
           f"median of {args.runs}, each qconv run right after its raw copy, sync before each run, "
           f"{os.cpu_count()} CPUs\n")
     print(tabulate(table, headers=["whole process", "wall s", "min-max s", "+ sync s", "source GB/s", "peak RSS MiB",
@@ -176,7 +255,7 @@ def main() -> None:
         files = sizes[v]
         text = {k: s for k, s in files.items() if not k.startswith("mmproj-")}
         mmproj = sum(s for k, s in files.items() if k.startswith("mmproj-"))
-        table.append((f"--mmproj-type {v[0]}{' ' + ' '.join(v[1]) if v[1] else ''}", f"{src_bytes / 1e9:.3f}",
+        table.append((label(v), f"{src_bytes / 1e9:.3f}",
                       f"{sum(text.values()) / 1e9:.3f} ({len(text)} files)", f"{mmproj / 1e9:.3f}",
                       f"{sum(files.values()) / 1e9:.3f}", " / ".join(summaries[v])))
     print(tabulate(table, headers=["qconv", "source GB", "text GGUF GB", "mmproj GB", "total GB", "qconv says"],

@@ -20,6 +20,7 @@ from ..formats.core.reader import WINDOW_ELEMENTS, model_dtype, read_module, req
 from ..formats.core.source import finite_rows, where_of
 from ..formats.core.registry import family
 from ..formats.storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, all_finite, encode_float
+from .fused_experts import fuse_experts
 from .engine import DEFAULT_MAX_SHARD, OutTensor, made_warnings, ordered, passthrough, run, write_component
 from .sink import FolderSink
 from .parallel import Replan
@@ -63,13 +64,15 @@ def read_windows(m: QuantModule) -> list[tuple[int, int]]:
 def plan_component(comp: Component, det: Detection, code: str) -> list[OutTensor]:
     """Every output tensor, predicted from headers: quantized modules become `<module>.weight` of the
     target dtype (fused experts: the stored 3-D tensor's name and shape, QuantModule.float_name); their
-    state is dropped; floating tensors are cast; the rest is copied."""
+    state is dropped; floating tensors are cast; the rest is copied. A model whose loaders read fused
+    experts only gets per-expert weights fused (fused_experts.py)."""
     src_dtype = model_dtype(comp, det)
     out = {m.float_name: _dequantized(comp, det, m, code, src_dtype) for m in det.modules}
     claimed = det.claimed_tensors
     for name, info in comp.tensors.items():
         if name not in claimed:          # require_decodable refused a plain weight in a module's place
             out[name] = passthrough(info, code)
+    out = fuse_experts(out, comp.config, comp.files[0] if comp.files else comp.path)
     return [out[k] for k in sorted(out, key=natural_key)]
 
 

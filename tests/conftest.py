@@ -156,6 +156,30 @@ def copy_checkpoint(name, dst: Path) -> Path:
     return target
 
 
+def released_layout(src: Path, dst: Path) -> Path:
+    """A copy of a Qwen3-VL-MoE folder saved by transformers (its own fused [E, 2I, H] / [E, H, I]) with its
+    experts as the released checkpoints store them (Qwen/Qwen3-VL-30B-A3B-Instruct: gate_up_proj [128, 2048,
+    1536], down_proj [128, 768, 2048]): each fused tensor, and an FP8 one's block-scale grid
+    (`*_scale_inv`, which vLLM's loader transposes with it), transposed per expert. transformers'
+    conversion_mapping.py ("qwen3_vl_moe": Transpose(1, 2, check_dims=True)) is the inverse it applies on
+    load (tests/formats/core/test_released_experts.py checks it). A tokenizer is added where the folder has
+    none (a GGUF needs one: qwen3vl-bnb8-skipvisual's)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("oracle"))
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        for k in tensors:
+            if k.endswith(("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_scale_inv",
+                           "experts.down_proj_scale_inv")):
+                tensors[k] = tensors[k].transpose(1, 2).contiguous()
+        save_file(tensors, f, metadata={"format": "pt"})
+    if not (dst / "tokenizer.json").exists():
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(CHECKPOINTS / "qwen3vl-bnb8-skipvisual" / name, dst)
+    return dst
+
+
 def write_sparse_safetensors(path: Path, tensors, metadata=None) -> int:
     """A real safetensors header followed by a hole of the right size: no disk blocks for the data."""
     header, data_size = encode_header(tensors, metadata)

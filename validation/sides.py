@@ -13,9 +13,10 @@ from .bounds import ULP
 from .device import dequantize_block
 from ..formats.storage.checkpoint import Component
 from ..formats.core.detect import Detection
-from ..formats.core.experts import is_fused_name, split_module, split_names, why_not_split
+from ..formats.core.experts import TRANSPOSED, fused_layout, is_fused_name, split_module, split_names, why_not_split
+from ..formats.core.source import float_fused
 from ..formats.core.ir import QuantTensor
-from ..formats.core.layout import QuantModule
+from ..formats.core.layout import UNQUANTIZED, QuantModule
 from ..formats.core.reader import model_dtype, read_module, require_decodable
 from ..formats.core.registry import family
 from ..formats.storage.safetensors_header import DTYPES, FLOAT_DTYPES, TensorInfo
@@ -32,14 +33,19 @@ class Entry:
     def representation(self) -> tuple:
         """How the weight's scales are stored: equal representations must give identical weights."""
         m = self.module
-        if m is None:
+        if self.is_float:
             return ("float", self.info.dtype)
         return (m.family, m.details.get("scales_dtype"))
 
     @property
+    def is_float(self) -> bool:
+        """A float weight: a tensor as stored, or a float view of fused experts (its parent's info)."""
+        return self.module is None or self.module.family == UNQUANTIZED
+
+    @property
     def floor(self) -> float:
         """Absolute rounding of the stored weight below the normal range: float16 subnormals (2^-25)."""
-        return 2.0**-25 if self.module is None and self.info.dtype == "F16" else 0.0
+        return 2.0**-25 if self.is_float and self.info.dtype == "F16" else 0.0
 
     @property
     def eps(self) -> float:
@@ -47,7 +53,7 @@ class Entry:
         format says nothing, as bitsandbytes' float32 SCB and absmax), or the rounding of the product
         where the producer rounds it through a narrower float (compressed-tensors' NVFP4: bfloat16)."""
         m = self.module
-        if m is None:
+        if self.is_float:
             return ULP.get(self.info.dtype, 0.0)
         return max(ULP.get(m.details.get("scales_dtype"), ULP["F32"]), ULP.get(m.details.get("product_dtype"), 0.0))
 
@@ -79,13 +85,18 @@ class Side:
         if why_not_split(self.comp.config) is not None:
             return
         for name, e in list(self.entries.items()):
-            if name in other.entries or not is_fused_name(name):
+            if not is_fused_name(name) or (name in other.entries and not self._transposed(name)
+                                            and not other._transposed(name)):
                 continue
             try:
                 if e.module is not None and e.module.experts:
                     if why_not_split(self.comp.config, e.module) is not None:
                         continue
-                    views = [Entry(v.name, v, None) for v in split_module(e.module)]
+                    views = [Entry(v.name, v, None) for v in split_module(e.module, self.comp.config)]
+                elif e.module is None and fused_layout(self.comp.config, float_fused(self.comp.tensors[name])) == TRANSPOSED:
+                    # the released transposed layout: float views read through the fused tensor
+                    views = [Entry(v.name, v, e.info)
+                             for v in split_module(float_fused(self.comp.tensors[name]), self.comp.config)]
                 elif e.module is None:
                     experts, rows, inp = self.comp.tensors[name].shape
                     size = DTYPES[e.info.dtype][0] // 8
@@ -94,11 +105,27 @@ class Side:
                              for v, r0, n in split_names(name, experts, rows)]
                 else:
                     continue
-            except ValueError:           # an odd number of gate_up rows: left fused, reported unpaired
+            except ValueError:           # an odd number of gate_up rows, or a layout fused_layout refuses:
+                                         # left fused, reported unpaired
                 continue
-            if all(v.name in other.entries for v in views):
+            # a released (transposed) fused tensor against the other side's: both compared per expert
+            if all(v.name in other.entries for v in views) or name in other.entries:
                 del self.entries[name]
                 self.entries.update((v.name, v) for v in views)
+
+    def _transposed(self, name: str) -> bool:
+        """Whether a fused experts entry is in the released transposed layout (experts.fused_layout)."""
+        e, info = self.entries.get(name), self.comp.tensors.get(name)
+        if e is not None and e.module is not None:
+            m = e.module
+        elif info is not None and len(info.shape) == 3 and info.dtype in FLOAT_DTYPES:
+            m = float_fused(info)
+        else:
+            return False
+        try:
+            return bool(m.experts) and fused_layout(self.comp.config, m) == TRANSPOSED
+        except ValueError:
+            return False
 
     def shape(self, name: str) -> tuple[int, int]:
         e = self.entries[name]

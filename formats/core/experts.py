@@ -8,11 +8,20 @@ transformers 5 saves MoE experts fused with `save_original_format=False`: `<pref
 below share. A split expert is a view: a module whose rows are rows r0:r0+out of its fused parent, read
 through the parent (reader.read_module), so its codes and scales are the parent's, row for row.
 
+Released transposed (RELEASED_TRANSPOSED: Qwen3-VL-MoE): the released checkpoints store `gate_up_proj` as
+[E, H, 2I] and `down_proj` as [E, I, H], each expert's Linear transposed, gate columns before up columns
+(Qwen/Qwen3-VL-30B-A3B-Instruct: [128, 2048, 1536] and [128, 768, 2048]); transformers transposes them when
+it loads (conversion_mapping.py "qwen3_vl_moe": Transpose(1, 2, check_dims=True)) and saves its own [E, 2I, H]
+only with save_original_format=False, and vLLM (is_fused_checkpoint_transposed), mlx-lm (swapaxes) and
+llama.cpp's converter (permute(0, 2, 1)) read the released layout only. Either is split here, told apart by
+the shapes against the config (fused_layout); a view of the released layout reads its expert's whole slice
+of stored rows and takes its columns (details["columns"], reader.read_module), so memory is bounded by one
+expert, never the tensor.
+
 Not split (refused by the writers that need it, with the reason): other model types, whose fused layout
-differs (gpt-oss interleaves gate and up rows and has no per-expert layout any loader reads; Qwen3-VL-MoE
-stores [E, H, 2I], transposed; Mixtral's per-expert names also rename the block). The one exception is
-GGUF (gguf/writer.py), whose stacked gate / up experts llama.cpp's own converter makes from gpt-oss'
-interleaved rows: split_interleaved.
+differs (gpt-oss interleaves gate and up rows and has no per-expert layout any loader reads; Mixtral's
+per-expert names also rename the block). The one exception is GGUF (gguf/writer.py), whose stacked gate /
+up experts llama.cpp's own converter makes from gpt-oss' interleaved rows: split_interleaved.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from typing import Mapping
 
 from ...errors import NotStorable
 from .layout import QuantModule
+from .registry import family
 
 # model types whose fused experts are transformers' qwen2_moe conversion (conversion_mapping.py's
 # _MODEL_TO_CONVERSION_PATTERN entries mapped to "qwen2_moe", and qwen2_moe itself)
@@ -31,10 +41,11 @@ PER_EXPERT_TYPES = frozenset((
     "dots1", "ernie4_5_moe", "afmoe", "longcat_flash", "solar_open", "mellum", "beam", "hunyuan_v1_moe",
     "flex_olmo", "olmoe", "exaone_moe", "cohere2_moe"))
 FUSED = ("gate_up_proj", "down_proj")
-# model types whose checkpoints hold fused experts in either of two layouts: transformers' own [E, 2I, H]
-# (what it saves), or the released checkpoints' transposed [E, H, 2I] (conversion_mapping.py's Transpose
-# on load), told apart by the config's sizes; only the first is split
-TRANSPOSED_ON_LOAD = frozenset(("qwen3_vl_moe",))
+# model types whose released checkpoints store fused experts transposed ([E, H, 2I] / [E, I, H]), which
+# transformers transposes on load (conversion_mapping.py: Transpose(1, 2, check_dims=True)); its own saved
+# [E, 2I, H] / [E, H, I] is read too, told apart by the shapes (fused_layout)
+RELEASED_TRANSPOSED = frozenset(("qwen3_vl_moe",))
+ROWS, TRANSPOSED = "rows", "transposed"
 
 
 def model_type(config: Mapping | None) -> str | None:
@@ -50,27 +61,58 @@ def why_not_split(config: Mapping | None, m: QuantModule | None = None) -> str |
                 "that any loader reads (transformers and vLLM build its experts fused)")
     if kind in PER_EXPERT_TYPES:
         return None
-    if kind in TRANSPOSED_ON_LOAD:
-        return None if m is None else _transposed(config, m)
+    if kind in RELEASED_TRANSPOSED:
+        if m is None:
+            return None
+        try:
+            fused_layout(config, m)
+        except NotStorable as exc:
+            return f"{exc}"
+        return None
     return (f"qconv splits fused experts for the model types whose fused layout is transformers' "
-            f"[E, 2I, H] gate-then-up (qwen2_moe, qwen3_moe, deepseek_v3, glm4_moe, ...), not "
-            f"{kind or 'an unnamed model type'!r}")
+            f"[E, 2I, H] gate-then-up (qwen2_moe, qwen3_moe, deepseek_v3, glm4_moe, ...) or Qwen3-VL-MoE's "
+            f"released [E, H, 2I], not {kind or 'an unnamed model type'!r}")
 
 
-def _transposed(config: Mapping, m: QuantModule) -> str | None:
-    """Why a fused module of a TRANSPOSED_ON_LOAD model is not transformers' [E, 2I, H] / [E, H, I], or None."""
+def fused_layout(config: Mapping | None, m: QuantModule) -> str:
+    """ROWS (transformers' [E, 2I, H] / [E, H, I]: each expert's Linear rows stacked) or, for a
+    RELEASED_TRANSPOSED model, TRANSPOSED (the released [E, H, 2I] / [E, I, H]), from m's stored shape
+    against the config's hidden_size and moe_intermediate_size. Raises NotStorable naming both layouts
+    where the shape is neither, or is both (a square expert: the shapes cannot tell), and where a
+    transposed module's codes do not transpose (only float weights and square 2-D blocks do)."""
+    if model_type(config) not in RELEASED_TRANSPOSED:
+        return ROWS
     text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
     inter, hidden = text.get("moe_intermediate_size"), text.get("hidden_size")
-    gate_up = m.name.endswith(".gate_up_proj")
-    want = (2 * inter, hidden) if gate_up else (hidden, inter)
-    got = (m.out_features // max(m.experts, 1), m.in_features)
-    if isinstance(inter, int) and isinstance(hidden, int) and got == want:
-        return None
     leaf = m.name.rsplit(".", 1)[-1]
-    return (f"its {leaf} is stored [{m.experts}, {got[0]}, {got[1]}], not transformers' own [{m.experts}, {want[0]}, "
-            f"{want[1]}] (the released checkpoints' layout is transposed, and transformers transposes it when it "
-            f"loads them): save it once with transformers ({model_type(config)}: from_pretrained, "
-            f"save_pretrained) to write the layout qconv splits")
+    got = (m.out_features // max(m.experts, 1), m.in_features)
+    if not (isinstance(inter, int) and isinstance(hidden, int)):
+        raise NotStorable(f"its config has no integer hidden_size and moe_intermediate_size to tell its {leaf}'s "
+                          f"layout by")
+    own = (2 * inter, hidden) if leaf == "gate_up_proj" else (hidden, inter)
+    released = own[::-1]
+    if own == released and got == own:
+        raise NotStorable(f"its {leaf} is [{m.experts}, {got[0]}, {got[1]}], square per expert: the shapes cannot tell "
+                          f"transformers' own layout from the released, transposed one")
+    if got not in (own, released):
+        raise NotStorable(f"its {leaf} is stored [{m.experts}, {got[0]}, {got[1]}], neither the released layout "
+                          f"[{m.experts}, {released[0]}, {released[1]}] nor transformers' own [{m.experts}, {own[0]}, "
+                          f"{own[1]}] (hidden_size {hidden}, moe_intermediate_size {inter})")
+    if got == own:
+        return ROWS
+    if not transposable(m):
+        raise NotStorable(f"its {leaf} is stored transposed (the released layout) as {m.scheme} codes in "
+                          f"blocks that do not transpose (only float weights and square 2-D blocks do)")
+    return TRANSPOSED
+
+
+def transposable(m: QuantModule) -> bool:
+    """Whether a module's codes read transposed stay codes of the same spec: a float weight, or square
+    2-D blocks (fine-grained FP8's 128 x 128: a block's transpose is a block with the same scale)."""
+    if m.experts and not family(m.family).quantized:
+        return True
+    block = m.details.get("block_rows")
+    return m.scheme == "e4m3" and not m.details.get("fused_scale") and bool(block) and block == m.group_size
 
 
 def split_names(name: str, experts: int, rows: int) -> list[tuple[str, int, int]]:
@@ -87,11 +129,18 @@ def split_names(name: str, experts: int, rows: int) -> list[tuple[str, int, int]
     return [(f"{prefix}.{e}.{sub}", e * rows + r0, n) for e in range(experts) for sub, r0, n in parts]
 
 
-def split_module(m: QuantModule) -> list[QuantModule]:
+def split_module(m: QuantModule, config: Mapping | None = None) -> list[QuantModule]:
     """The per-expert views of a fused module (split_names). Each keeps the parent's family, spec
-    details and tensors (for messages); details["rows_of"] = (parent, first row) routes its reads."""
-    return [replace(m, name=name, out_features=rows, experts=0, details={**m.details, "rows_of": (m, r0)})
-            for name, r0, rows in split_names(m.name, m.experts, m.out_features // m.experts)]
+    details and tensors (for messages); details["rows_of"] = (parent, first stored row) routes its reads.
+    In the released transposed layout (fused_layout) an expert's Linear is its slice's columns:
+    details["columns"] = (stored rows of the expert, first column), and in_features is those rows."""
+    if fused_layout(config, m) == ROWS:
+        return [replace(m, name=name, out_features=rows, experts=0, details={**m.details, "rows_of": (m, r0)})
+                for name, r0, rows in split_names(m.name, m.experts, m.out_features // m.experts)]
+    stored = m.out_features // m.experts
+    return [replace(m, name=name, out_features=n, in_features=stored, experts=0,
+                    details={**m.details, "rows_of": (m, (r0 // m.in_features) * stored), "columns": (stored, r0 % m.in_features)})
+            for name, r0, n in split_names(m.name, m.experts, m.in_features)]
 
 
 def split_interleaved(m: QuantModule) -> list[QuantModule]:

@@ -68,11 +68,15 @@ def data_free_modules(comp: Component, opts: Options) -> list[QuantModule]:
     for name, info in comp.tensors.items():      # fused experts [E, R, in]: one Linear per expert
         if len(info.shape) == 3 and info.dtype in FLOAT_NAMES and is_fused_name(name) and block_prefix(name) \
                 and not _VISION.search(name) and min(info.shape) > 0:
-            experts, rows, inp = info.shape
-            fused = QuantModule(name, UNQUANTIZED, FLOAT_NAMES[info.dtype], DTYPES[info.dtype][0], experts * rows,
-                                inp, (info.name,), (), details={"dtype": FLOAT_NAMES[info.dtype]}, experts=experts)
-            modules.extend(split_experts(comp, fused, opts))
+            modules.extend(split_experts(comp, float_fused(info), opts))
     return sorted(modules, key=lambda m: natural_key(m.name))
+
+
+def float_fused(info) -> QuantModule:
+    """A float fused experts tensor [E, R, in] as one module of E * R rows (split_experts' parent)."""
+    experts, rows, inp = info.shape
+    return QuantModule(info.name, UNQUANTIZED, FLOAT_NAMES[info.dtype], DTYPES[info.dtype][0], experts * rows,
+                       inp, (info.name,), (), details={"dtype": FLOAT_NAMES[info.dtype]}, experts=experts)
 
 
 def whole(source):
@@ -157,7 +161,7 @@ def split_experts(comp: Component, m: QuantModule, opts: Options) -> list[QuantM
     views = []
     if why is None:
         try:
-            views = split_module(m)
+            views = split_module(m, comp.config)
         except NotStorable as exc:
             why = f"{exc}"
     if why is None and any(v.details["rows_of"][1] % step or v.out_features % step for v in views):

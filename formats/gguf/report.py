@@ -21,7 +21,7 @@ def describe(path) -> dict:
     if arch is not None and arch.text_of:             # a VL text model: its mmproj file, read back with it
         pair = beside(Path(path))
         g["mmproj_beside"] = pair.name if pair else None
-        g["mmproj_read_back"] = pair is not None and not arch.moe     # source.open_gguf: not for MoE yet
+        g["mmproj_read_back"] = pair is not None                     # source.open_gguf reads the pair whole
         if pair is not None:
             warnings += mmproj_warnings(pair)
     elif header.metadata.get("general.architecture") == "clip":
@@ -76,7 +76,7 @@ def render(result: dict) -> str:
                      + (f", deepstack after {v['deepstack_layers']} layers" if v["deepstack_layers"] else ""))
     if "mmproj_beside" in g:
         lines.append(f"  a VL model's text decoder: its vision tower, {g['mmproj_beside']}, lies beside it ("
-                     + ("read back together)" if g["mmproj_read_back"] else "not read back for a MoE model yet)")
+                     + "read back together)"
                      if g["mmproj_beside"] else "  a VL model's text decoder: no mmproj file "
                      f"beside it (llama.cpp's mmproj-{Path(result['path']).name}); read back as the text model")
     if "split" in g:

@@ -123,10 +123,9 @@ def open_gguf(path: Path) -> Component:
     header, config, arch = g.header, g.config, g.arch
     own = g.meta.get("general.architecture")
     pair = mmproj.beside(path) if own != arch.name else None
-    # Qwen3-VL-MoE: transformers loads its experts fused only, and qconv writes a GGUF's stacked experts
-    # one per expert: read back as the text model, saying why
-    fused_only = pair is not None and garch.BY_GGUF_NAME[own].moe
-    back = mmproj.read_back(pair, garch.BY_GGUF_NAME[own].model_type) if pair and not fused_only else None
+    # a MoE pair's experts (Qwen3-VL-MoE) are read one per expert; a float folder gets them fused, as its
+    # loaders read them (convert/fused_experts.py)
+    back = mmproj.read_back(pair, garch.BY_GGUF_NAME[own].model_type) if pair else None
     renamed = _in_vl_model if back else (lambda hf: hf)
     tensors, types, order, decoded = {}, {}, {}, {}
     for t in header.tensors:
@@ -160,11 +159,6 @@ def open_gguf(path: Path) -> Component:
         tensors.update(back.tensors)
         types.update(back.ggml_types)
         config = vl_config(config, g.meta, back, path)
-    elif fused_only:
-        warnings.insert(0, f"a {own} file holds a VL model's text decoder, and {pair.name} its vision tower, which "
-                           f"qconv does not read back for a MoE model yet (transformers' "
-                           f"{garch.BY_GGUF_NAME[own].hf_class} loads experts fused, qconv writes them one per "
-                           f"expert): written as the text model it computes on text ({g.arch.hf_class})")
     elif own != g.arch.name:
         warnings.insert(0, f"a {own} file holds a VL model's text decoder, and no {mmproj.mmproj_name(path)} "
                            f"(llama.cpp's mmproj file) lies beside it: written as the text model it computes on "

@@ -8,7 +8,9 @@ forward on the same token ids (llama.cpp's, so tokenizers do not matter), pixels
 (llama.cpp's, which must equal transformers' own get_rope_index). Fixtures: qwen25vl-bf16 (224 x 168
 image, 48 image tokens, two attention windows), qwen3vl-bf16 (320 x 256, 80 tokens, two deepstack layers;
 its copy gets the tokenizer of qwen3vl-bnb8-skipvisual, as a GGUF needs one), qwen3vlmoe-bf16 (the same
-image; its text decoder's experts in llama.cpp's qwen3vlmoe: within the same bounds).
+image; its text decoder's experts in llama.cpp's qwen3vlmoe: within the same bounds), and qwen3vlmoe-released
+(the same model with its experts as the released checkpoints store them, conftest.released_layout;
+transformers reads that folder through its own conversion mapping).
 
 What transformers is made to compute (_emulate_llama_cpp): llama.cpp's choices, not qconv's. Its CPU
 conv runs the patch embedding in float16 and its GELU is a float16 table of the tanh approximation:
@@ -39,7 +41,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import CHECKPOINTS, REPO, run_qconv
+from conftest import CHECKPOINTS, REPO, released_layout, run_qconv
 
 LLAMA_PYTHON = REPO / ".venv-llamacpp" / "bin" / "python"
 SCRIPT = REPO / "tests" / "consumers" / "mtmd_logits.py"
@@ -52,7 +54,7 @@ pytestmark = [pytest.mark.llamacpp, pytest.mark.consumer(LLAMA_PYTHON, "llama.cp
 
 # model: (fixture, image width x height llama.cpp does not resize)
 MODELS = {"qwen25vl": ("qwen25vl-bf16", (224, 168)), "qwen3vl": ("qwen3vl-bf16", (320, 256)),
-          "qwen3vlmoe": ("qwen3vlmoe-bf16", (320, 256))}
+          "qwen3vlmoe": ("qwen3vlmoe-bf16", (320, 256)), "qwen3vlmoe-released": ("qwen3vlmoe-bf16", (320, 256))}
 
 
 def _image(w: int, h: int) -> np.ndarray:
@@ -65,6 +67,8 @@ def _convert(tmp, model: str):
     BPE; the token ids are taken from llama.cpp's side, so which tokenizer does not matter)."""
     fixture, _ = MODELS[model]
     src = CHECKPOINTS / fixture
+    if model.endswith("-released"):       # its experts as the released checkpoints store them (issue 53)
+        src = released_layout(src, tmp / model)
     if not (src / "tokenizer.json").exists():
         src = shutil.copytree(src, tmp / fixture)
         for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -14,12 +14,15 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from conftest import CHECKPOINTS, inspect_json, load_tensors, one_error, run_qconv
+from conftest import CHECKPOINTS, inspect_json, load_tensors, one_error, released_layout, run_qconv
 
 
 def _pair(tmp_path, fixture, *args):
-    """`--to gguf` of a fixture (qwen3vl-bf16, which has no tokenizer, with its int8 twin's)."""
+    """`--to gguf` of a fixture (qwen3vl-bf16, which has no tokenizer, with its int8 twin's;
+    qwen3vlmoe-released: qwen3vlmoe-bf16 with its experts as the released checkpoints store them)."""
     src = CHECKPOINTS / fixture
+    if fixture == "qwen3vlmoe-released":
+        src = released_layout(CHECKPOINTS / "qwen3vlmoe-bf16", tmp_path / fixture)
     if not (src / "tokenizer.json").exists():
         src = shutil.copytree(src, tmp_path / fixture)
         for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -58,11 +61,13 @@ def _vl_logits(folder):
                      mm_token_type_ids=(ids == image).int()).logits
 
 
-@pytest.mark.parametrize("fixture", ["qwen25vl-bf16", "qwen3vl-bf16"])
+@pytest.mark.parametrize("fixture", ["qwen25vl-bf16", "qwen3vl-bf16", "qwen3vlmoe-released"])
 def test_a_gguf_pair_dequantizes_to_the_vl_model(tmp_path, fixture):
     """Written with its codes kept (--gguf-float: every bfloat16 tensor as BF16, norms and biases F32),
     read back: every tensor of the source, byte for byte under transformers 5's names; the configs say
-    the same model, and transformers' VL forward with an image gives the source's logits exactly."""
+    the same model, and transformers' VL forward with an image gives the source's logits exactly.
+    Qwen3-VL-MoE: llama.cpp's stacked experts come back fused in the released layout the source has
+    ([E, H, 2I] / [E, I, H]: convert/fused_experts.py), the one transformers, vLLM and mlx-lm read."""
     import torch
 
     src, gguf_file = _pair(tmp_path, fixture, "--gguf-float")
@@ -175,35 +180,27 @@ def test_a_pair_that_is_not_one_model_is_refused(tmp_path, case, edit, code, nee
     assert not (tmp_path / "back").exists()
 
 
-def test_a_moe_pair_reads_back_as_the_text_model_saying_why(tmp_path):
-    """Qwen3-VL-MoE: transformers loads its experts fused only, and a GGUF's stacked experts come back one
-    per expert, so the pair reads back as the text model (Qwen3MoeForCausalLM), with a warning naming
-    the mmproj file and why; inspect says so too."""
-    _, gguf_file = _pair(tmp_path, "qwen3vlmoe-bf16", "--gguf-float")
-    g = inspect_json(gguf_file)["gguf"]
-    assert (g["mmproj_beside"], g["mmproj_read_back"]) == ("mmproj-m.gguf", False)
-    proc = run_qconv("dequantize", gguf_file, tmp_path / "back", check=0)
-    assert "mmproj-m.gguf its vision tower, which qconv does not read back for a MoE model yet" in proc.stderr
-    config = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and "vision_config" not in config
+def test_a_moe_pair_goes_to_compressed_tensors_and_back_whole(tmp_path):
+    """Qwen3-VL-MoE from its released layout to a GGUF pair (Q8_0 decoder), then to compressed-tensors
+    (every Q8_0 code kept as int8 group 32) and back to float: the VL model whole, its experts fused as
+    its loaders read them, the same weights as the GGUF pair read back directly, and transformers' VL
+    forward with an image gives that folder's logits exactly; inspect says the pair is read back."""
+    import torch
 
-
-def test_qwen3_vl_moe_experts_in_the_released_layout_are_refused(tmp_path):
-    """The released Qwen3-VL-MoE checkpoints store their fused experts transposed ([E, H, 2I], which
-    transformers transposes when it loads them); qconv splits only transformers' own [E, 2I, H], so the
-    released layout is refused naming the tensor and the way out, never split wrong."""
-    from safetensors.torch import load_file, save_file
-
-    src = shutil.copytree(CHECKPOINTS / "qwen3vlmoe-bf16", tmp_path / "released")
-    tensors = load_file(src / "model.safetensors")
-    for k in list(tensors):
-        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            tensors[k] = tensors[k].transpose(1, 2).contiguous()
-    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
-    one_error(run_qconv("convert", src, tmp_path / "m.gguf", "--to", "gguf"), 5,
-              "experts.down_proj", "is stored [4, 96, 256], not transformers' own [4, 256, 96]",
-              "save it once with transformers")
-    assert not list(tmp_path.glob("*.gguf"))
+    _, gguf_file = _pair(tmp_path, "qwen3vlmoe-released")
+    assert inspect_json(gguf_file)["gguf"]["mmproj_read_back"] is True
+    proc = run_qconv("convert", gguf_file, tmp_path / "ct", "--to", "compressed-tensors", "--json", check=0)
+    (comp,) = json.loads(proc.stdout)["components"]
+    assert comp["codes_kept"] == comp["modules"] == 2 * (4 + 3 * 4) and comp["requantized"] == 0
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3VLMoeForConditionalGeneration"] and "vision_config" in config
+    for folder, src in (("direct", gguf_file), ("back", tmp_path / "ct")):
+        run_qconv("dequantize", src, tmp_path / folder, "--dtype", "float32", check=0)
+    direct, back = load_tensors(tmp_path / "direct"), load_tensors(tmp_path / "back")
+    assert sorted(direct) == sorted(back) and [k for k in direct if not torch.equal(direct[k], back[k])] == []
+    moe = "model.language_model.layers.0.mlp.experts"
+    assert (tuple(back[moe + ".gate_up_proj"].shape), tuple(back[moe + ".down_proj"].shape)) == ((4, 256, 192), (4, 96, 256))
+    assert torch.equal(_vl_logits(tmp_path / "back"), _vl_logits(tmp_path / "direct"))
 
 
 def test_a_truncated_mmproj_file_is_refused_naming_it(tmp_path):
