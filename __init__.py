@@ -11,7 +11,7 @@ The Python API (api.py, docs/python-api.md) has the command line's verbs:
 Importing qconv loads neither torch nor numpy.
 """
 
-__version__ = "0.1.0"
+from .version import VERSION as __version__  # noqa: E402
 
 from . import convert  # noqa: E402  the package, callable as the verb (api.py)
 from .api import (ConvertOptions, ConvertResult, DequantizeOptions, DequantizeResult, InspectOptions,  # noqa: E402

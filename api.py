@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,13 +241,27 @@ def inspect(path: str | os.PathLike[str], *, strict: bool = False) -> InspectRes
     return result
 
 
-def _run_convert(src, dst, opts: ConvertOptions, progress: ProgressCallback | None) -> ConvertResult:
+def _card(card: bool, base_model: str | None) -> None:
+    """The model card arguments: card a bool; base_model None or a Hub repository id (org/name)."""
+    _flag("card", card)
+    if base_model is not None and (not isinstance(base_model, str) or not _REPO_ID.match(base_model)):
+        raise UsageError(f"base_model {base_model!r} is not a Hugging Face repository id (org/name)")
+
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _run_convert(src, dst, opts: ConvertOptions, progress: ProgressCallback | None, card: bool,
+                 base_model: str | None, verb: str = "convert") -> ConvertResult:
+    from .convert.card import for_convert
     from .convert.convert import convert as run_convert
 
+    _card(card, base_model)
     src, dst, progress = _path("src", src), _path("dst", dst), _progress(progress)
     with reporting(progress):
         data = run_convert(src, dst, opts, overwrite=opts.overwrite,
-                           max_shard_size=opts.max_shard_size, validate=opts.validate, jobs=opts.jobs)
+                           max_shard_size=opts.max_shard_size, validate=opts.validate, jobs=opts.jobs,
+                           card=for_convert(opts, src, dst, base_model, verb) if card else None)
     packed = [c for c in data["components"] if "to" in c]
     return _written(ConvertResult, data, codes_kept=sum(c["codes_kept"] for c in packed),
                     requantized=tuple(r for c in packed for r in c.get("layers", [])),
@@ -255,7 +270,8 @@ def _run_convert(src, dst, opts: ConvertOptions, progress: ProgressCallback | No
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str, validate: bool = False,
             overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD, jobs: int | None = None,
-            search: bool = True, progress: ProgressCallback | None = None, **options) -> ConvertResult:
+            search: bool = True, progress: ProgressCallback | None = None, card: bool = True,
+            base_model: str | None = None, **options) -> ConvertResult:
     """Rewrite ``src`` as ``to`` (``targets()``: gptq, gptq-v2, auto-round, compressed-tensors,
     compressed-tensors-w8a8, -fp8, -nvfp4, -mxfp4, awq, fp8, modelopt-fp8, -nvfp4, mlx, bnb8, bnb4-nf4,
     bnb4-fp4, gguf, float16, bfloat16, float32) at ``dst``, keeping every code where the arithmetic allows
@@ -276,10 +292,11 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     (None: the machine's cores); the bytes are the same whatever it is. search=False: modules requantized to
     an integer target are plain round-to-nearest (no error-minimising search: several times faster, a larger
     error, reported as ever). to="gguf" writes ``dst`` as one llama.cpp GGUF file (and its split files past
-    max_shard_size)."""
+    max_shard_size). card=True (the default) writes the model card (docs/card.md): DST's README.md, or
+    ``<name>.md`` beside a GGUF; base_model names the Hub repository it quantizes where the source does not."""
     opts = ConvertOptions(to, validate=validate, overwrite=overwrite, max_shard_size=max_shard_size, jobs=jobs,
                           search=search, **options)
-    return _run_convert(src, dst, opts, progress)
+    return _run_convert(src, dst, opts, progress, card, base_model)
 
 
 def _convert_signature():
@@ -316,28 +333,34 @@ _convert_package.__class__ = _CallablePackage
 
 def bnb8_to_gptq(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, scale_dtype: str | None = None,
                  validate: bool = False, overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD,
-                 jobs: int | None = None, progress: ProgressCallback | None = None) -> ConvertResult:
+                 jobs: int | None = None, progress: ProgressCallback | None = None, card: bool = True,
+                 base_model: str | None = None) -> ConvertResult:
     """A bitsandbytes LLM.int8 checkpoint as GPTQ 8-bit, one scale per output row, symmetric, every code kept
     (q = CB + 128); scales SCB / 127 stored as float16 unless scale_dtype says otherwise. Any other source
     method is refused (``UnsupportedFormat``)."""
     opts = ConvertOptions("gptq", bits=8, group_size=-1, sym=True, scale_dtype=scale_dtype, validate=validate,
                           overwrite=overwrite, max_shard_size=max_shard_size, source="bnb8", jobs=jobs)
-    return _run_convert(src, dst, opts, progress)
+    return _run_convert(src, dst, opts, progress, card, base_model, "bnb8-to-gptq")
 
 
 def dequantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: str = "auto",
                overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD, jobs: int | None = None,
-               progress: ProgressCallback | None = None) -> DequantizeResult:
+               progress: ProgressCallback | None = None, card: bool = True,
+               base_model: str | None = None) -> DequantizeResult:
     """Write ``src`` (any format qconv reads) at ``dst`` as a plain float folder that transformers loads:
     sharded safetensors, config.json without quantization_config, every other file copied. dtype: auto (the
     model's own), float16, bfloat16 or float32."""
     opts = DequantizeOptions(dtype, overwrite, max_shard_size, jobs)
+    _card(card, base_model)
     src, dst, progress = _path("src", src), _path("dst", dst), _progress(progress)
+    from .convert.card import for_dequantize
     from .convert.dequantize import dequantize as run_dequantize
 
     with reporting(progress):
         data = run_dequantize(src, dst, dtype=None if opts.dtype == "auto" else opts.dtype,
-                              overwrite=opts.overwrite, max_shard_size=opts.max_shard_size, jobs=opts.jobs)
+                              overwrite=opts.overwrite, max_shard_size=opts.max_shard_size, jobs=opts.jobs,
+                              card=for_dequantize(None if opts.dtype == "auto" else opts.dtype, src, dst, base_model)
+                              if card else None)
     return _written(DequantizeResult, data,
                     dequantized_modules=sum(c["dequantized_modules"] for c in data["components"]))
 

@@ -133,6 +133,21 @@ _JOBS = click.option("--jobs", type=click.IntRange(min=1), default=None, metavar
                           "modules; default: the machine's cores); the output is the same bytes whatever N.")
 
 
+_CARD = [click.option("--card/--no-card", default=True, show_default=True,
+                      help="Write the model card (docs/card.md): DST's README.md, or <name>.md beside a GGUF, "
+                           "with the Hub's front matter, what was kept and what it cost, and the SHA-256 of every "
+                           "source and output file."),
+         click.option("--base-model", metavar="ORG/NAME", default=None,
+                      help="The Hub repository the output is a quantization of, for the card (default: what the "
+                           "source's card, cache folder or config.json says).")]
+
+
+def _card_options(fn):
+    for option in reversed(_CARD):
+        fn = option(fn)
+    return fn
+
+
 @cli.command("dequantize", epilog=EXIT_CODES_HELP)
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
@@ -143,8 +158,9 @@ _JOBS = click.option("--jobs", type=click.IntRange(min=1), default=None, metavar
               help="Largest output shard, e.g. 5GB, 500MB.")
 @_JOBS
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@_card_options
 def dequantize_cmd(src: Path, dst: Path, dtype: str, overwrite: bool, max_shard_size: str, jobs: int | None,
-                   as_json: bool) -> int:
+                   as_json: bool, card: bool, base_model: str | None) -> int:
     """Write SRC (any format qconv reads: `qconv --help` lists them) to
     DST as a standard unquantized folder: sharded safetensors with an index, config.json without
     quantization_config, and every other file copied. Pipelines: each quantized component is dequantized, the rest copied.
@@ -152,7 +168,7 @@ def dequantize_cmd(src: Path, dst: Path, dtype: str, overwrite: bool, max_shard_
     Output is written to a temporary folder beside DST and renamed at the end; SRC is never written.
     """
     result = api.dequantize(src, dst, dtype=dtype, overwrite=overwrite, max_shard_size=max_shard_size,
-                            jobs=jobs, progress=_progress())
+                            jobs=jobs, progress=_progress(), card=card, base_model=base_model)
     _echo_warnings(result.data)
     click.echo(result.to_json() if as_json else _summary_table(result.data))
     return EXIT_OK
@@ -288,7 +304,8 @@ def _old_spellings(options: dict, warned: list) -> dict:
 
 
 _SCALE_DTYPE = _target_option("scale_dtype", [(SCALE_DTYPE, ("gptq",))])[0]    # bnb8-to-gptq's one option
-_COMMON = [click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty."),
+_COMMON = [*_CARD,
+           click.option("--overwrite", is_flag=True, help="Replace DST if it exists and is not empty."),
            click.option("--max-shard-size", default=api.DEFAULT_MAX_SHARD, show_default=True,
                         help="Largest output shard, e.g. 5GB, 500MB."),
            _JOBS,
@@ -316,7 +333,8 @@ def _common(fn):
               help="Integer targets: requantize with the per-group error-minimising search, or plain "
                    "round-to-nearest (several times faster, a larger error; reported either way).")
 @_common
-def convert_cmd(src, dst, to, search, overwrite, max_shard_size, jobs, as_json, validate, **options) -> int:
+def convert_cmd(src, dst, to, search, card, base_model, overwrite, max_shard_size, jobs, as_json, validate,
+                **options) -> int:
     """Rewrite SRC in another format at DST, keeping every integer code where the arithmetic allows
     (bnb8 <-> GPTQ 8-bit per-row symmetric or compressed-tensors W8A8 / W8A16 per channel; GPTQ v1 <-> v2
     <-> auto-round <-> compressed-tensors <-> AWQ where the bits, groups and zero points fit). W8A8 also
@@ -339,7 +357,7 @@ def convert_cmd(src, dst, to, search, overwrite, max_shard_size, jobs, as_json, 
     for line in warned:
         click.echo(line, err=True)
     result = api.convert(src, dst, to=to, validate=validate, overwrite=overwrite, max_shard_size=max_shard_size,
-                         jobs=jobs, search=search, progress=_progress(), **given)
+                         jobs=jobs, search=search, progress=_progress(), card=card, base_model=base_model, **given)
     return _show_convert(result, as_json)
 
 
@@ -348,13 +366,15 @@ def convert_cmd(src, dst, to, search, overwrite, max_shard_size, jobs, as_json, 
 @click.argument("dst", type=click.Path(path_type=Path))
 @_SCALE_DTYPE
 @_common
-def bnb8_to_gptq_cmd(src, dst, scale_dtype, overwrite, max_shard_size, jobs, as_json, validate) -> int:
+def bnb8_to_gptq_cmd(src, dst, scale_dtype, card, base_model, overwrite, max_shard_size, jobs, as_json,
+                     validate) -> int:
     """Turn a bitsandbytes LLM.int8 checkpoint into GPTQ 8-bit, one scale per output row, symmetric:
     the layout vLLM's Marlin kernels run. Codes are kept exactly (q = CB + 128); scales are SCB / 127,
     stored as float16 unless --scale-dtype says otherwise (the only rounding, reported).
     """
     result = api.bnb8_to_gptq(src, dst, scale_dtype=scale_dtype, validate=validate, overwrite=overwrite,
-                              max_shard_size=max_shard_size, jobs=jobs, progress=_progress())
+                              max_shard_size=max_shard_size, jobs=jobs, progress=_progress(), card=card,
+                              base_model=base_model)
     return _show_convert(result, as_json)
 
 

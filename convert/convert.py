@@ -33,6 +33,7 @@ from ..formats.core.layout import QuantModule, examples, natural_key
 from ..formats.core.reader import model_dtype, require_decodable
 from ..formats.core.registry import WriteContext, file_target, target as registered_target
 from ..formats.storage.checkpoint import Component
+from .card import Card
 from .dequantize import dequantize_component
 from .engine import DEFAULT_MAX_SHARD, OutTensor, made_warnings, passthrough, run, write_component
 from .sink import FolderSink
@@ -72,6 +73,7 @@ class _Planned:
     outputs: dict[str, OutTensor]
     config: dict
     tally: Tally
+    bits: tuple[int, ...] = ()                       # the bits its modules are written with
 
     @property
     def tensors(self) -> list[OutTensor]:
@@ -149,7 +151,7 @@ def _plan(comp: Component, opts: Options) -> _Planned:
     config["quantization_config"] = _quant_config(comp, opts, specs, bool(act_order_kept), settings,
                                                   frozenset(n for n, why in lossy_of.items() if why))
     config = tgt.model_config(config)           # the keys its loaders read beyond quantization_config
-    return _Planned(det, modules, opts, outputs, config, tally)
+    return _Planned(det, modules, opts, outputs, config, tally, tuple(sorted({s.bits for s in specs.values()})))
 
 
 def _replan(comp: Component, opts: Options):
@@ -179,7 +181,8 @@ def convert_component(comp: Component, out_dir: Path, opts: Options, max_shard: 
     activations, lost = activation_report(modules, p.outputs, opts.to, tgt.dynamic_activations)
     if any(activations.values()):
         summary["static_activation_scales"] = activations
-    return {"component": comp.name, "from": det.method, "to": opts.to, "search": opts.search, **summary, **written,
+    return {"component": comp.name, "from": det.method, "to": opts.to, "search": opts.search, "bits": list(p.bits),
+            **summary, **written,
             "warnings": list(det.warnings) + made_warnings(comp) + _v1_zero_warning(summary["v1_zero_points"])
             + lost}
 
@@ -251,7 +254,8 @@ def check_results(written, *, samples: int = 32, seed: int = 0) -> list[dict]:
 
 
 def convert(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
-            max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False, jobs: int = 1) -> dict:
+            max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False, jobs: int = 1,
+            card: Card | None = None) -> dict:
     own = file_target(opts.to)
     if own is not None:                         # one file, not a folder: its family's sink (gguf/sink.py)
         sink = own.sink(opts, max_shard=max_shard_size, jobs=jobs, validate=validate)
@@ -260,4 +264,4 @@ def convert(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
                           check_results if validate else None)
     else:
         raise ValueError(opts.to)
-    return run(src, dst, sink, overwrite=overwrite)
+    return run(src, dst, sink, overwrite=overwrite, card=card)

@@ -22,6 +22,7 @@ from ..formats.core.registry import family
 from ..formats.storage.tensor_io import FLOAT_CODES, FLOAT_NAMES, all_finite, encode_float
 from .fused_experts import fuse_experts
 from .engine import DEFAULT_MAX_SHARD, OutTensor, made_warnings, ordered, passthrough, run, write_component
+from .card import Card
 from .sink import FolderSink
 from .parallel import Replan
 
@@ -110,6 +111,6 @@ def dequantize_component(comp: Component, out_dir: Path, dtype: str | None, max_
 
 
 def dequantize(src: Path, dst: Path, *, dtype: str | None = None, overwrite: bool = False,
-               max_shard_size: int = DEFAULT_MAX_SHARD, jobs: int = 1) -> dict:
+               max_shard_size: int = DEFAULT_MAX_SHARD, jobs: int = 1, card: Card | None = None) -> dict:
     return run(src, dst, FolderSink(lambda comp, out: dequantize_component(comp, out, dtype, max_shard_size, jobs)),
-               overwrite=overwrite)
+               overwrite=overwrite, card=card)

@@ -27,7 +27,8 @@ from ..formats.storage.tensor_io import plain_chunks
 from ..progress import report
 from .parallel import Replan, threads, write_shards
 from .sink import CopyPlan, Sink, carry, plan_other_files
-from ..formats.storage.staging import staged_output, test_hook
+from ..formats.storage.staging import check_file_free, staged_output, test_hook
+from .card import Card
 
 
 
@@ -156,19 +157,25 @@ def write_component(comp: Component, out_dir: Path, tensors: list[OutTensor], co
             "copied": [rel for _, rel in carried.files] + sorted(made), "left_out": carried.left_out}
 
 
-def run(src: Path, dst: Path, sink: Sink, *, overwrite: bool) -> dict:
+def run(src: Path, dst: Path, sink: Sink, *, overwrite: bool, card: Card | None = None) -> dict:
     """Every target's one path: open SRC, take the components the sink writes (a pipeline's unquantized
     components and other files are carried as they are), check everything that will be read, copied or
     replaced before DST is touched, then write each component into the staged DST, read the result back
-    where asked (before the rename: a result that fails never reaches DST), publish, report."""
+    where asked (before the rename: a result that fails never reaches DST), write the model card (card.py)
+    from the report, publish, report."""
     src, dst = Path(src), Path(dst)
     sink.destination(src, dst)
+    if card is not None and sink.files:          # <name>.md beside a one-file DST: refused before any work
+        for beside in (card.path(dst, True), card.picture(dst, True)):
+            if beside is not None:
+                check_file_free(beside, overwrite=overwrite)
     target = open_target(src)
     t0 = time.monotonic()
     todo, copied = sink.components(target, src)
     copied = copied or CopyPlan([], [], [])
     for comp in todo:                        # refuse a bad file before any work, not after it
         sink.ready(comp, dst)
+    source = card.source(src, target.kind == "pipeline", [f for c in todo for f in c.files]) if card else None
     with staged_output(src, dst, overwrite=overwrite, files=sink.files) as tmp:
         reports, written = [], []
         for comp in todo:
@@ -180,9 +187,11 @@ def run(src: Path, dst: Path, sink: Sink, *, overwrite: bool) -> dict:
             written.append((comp, out, report))
         carry(copied, tmp)
         sink.check(written, dst)
-    result = {"source": str(src), "destination": str(dst), "seconds": round(time.monotonic() - t0, 3),
-              "components": reports}
-    if target.kind == "pipeline":
-        result["left_out"] = copied.left_out
-        result["warnings"] = [_left_out_warning(copied.left_out)] if copied.left_out else []
+        result = {"source": str(src), "destination": str(dst), "components": reports}
+        if target.kind == "pipeline":
+            result["left_out"] = copied.left_out
+            result["warnings"] = [_left_out_warning(copied.left_out)] if copied.left_out else []
+        if card is not None:
+            result["card"] = card.write(tmp, src, dst, sink.files, source, result)
+    result["seconds"] = round(time.monotonic() - t0, 3)
     return result

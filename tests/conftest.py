@@ -41,6 +41,12 @@ def child_signals(*ignored: signal.Signals):
 _SCRUBBED = ("PYTHONWARNINGS", "PYTHONDEVMODE", "TORCHINDUCTOR_CACHE_DIR")
 
 
+def is_card(path) -> bool:
+    """A model card qconv writes with every output (convert/card.py: README.md and its picture): it names
+    the run's SRC, DST and command and hashes their files, so outputs of different runs compare without it."""
+    return Path(path).name in ("README.md", "qconv-error.png")
+
+
 def child_env(**extra: str) -> dict:
     """The environment of a qconv child: this one without _SCRUBBED and QCONV_* variables, plus extra."""
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED and not k.startswith("QCONV_")}

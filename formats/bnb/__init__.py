@@ -101,6 +101,7 @@ class Int8Target(Target):
     """LLM.int8: codes kept from 8-bit symmetric per-row sources, SCB = s * 127."""
     name = "bnb8"
     family = "bnb8"
+    hub_tags = ("bitsandbytes", "8-bit")
     caps = Caps(frozenset({8}), asym=False, grouped=False, scale_dtypes=frozenset({"F32"}), divisor_scale="F32")
     codec = "bnb.codec"
     options = (BITS,)
@@ -122,6 +123,7 @@ class Int8Target(Target):
 class _FourBitTarget(Target):
     """4-bit nf4 / fp4: its own options, code books, double quant planned per module."""
     family = "bnb4"
+    hub_tags = ("bitsandbytes", "4-bit")
     caps = Caps(frozenset({4}), asym=False, per_row=False, grouped=False, scale_dtypes=frozenset({"F32"}),
                 divisor_scale="F32")
     codec = "bnb.codec"

@@ -45,6 +45,7 @@ _INT_2_8 = frozenset(range(2, 9))
 
 class _CompressedTensorsTarget(Target):
     family = "ct"
+    hub_tags = ("compressed-tensors",)
     codec = "compressed_tensors.codec"
 
 
@@ -67,6 +68,7 @@ class PackQuantized(_IntTarget):
 
 class W8A8(_IntTarget):
     name = "compressed-tensors-w8a8"
+    hub_tags = ("compressed-tensors", "int8", "8-bit")
     format = INT
     caps = Caps(frozenset({8}), asym=False, grouped=False, divisor_scale="F32", fallback_bits=8)
     activations = "int8 per token, dynamic"
@@ -82,6 +84,7 @@ class Fp8(_CompressedTensorsTarget):
     per channel; FP8_BLOCK with --block-size): its own fit, plan (scales in the model dtype), quantizer
     (llm-compressor's arithmetic) and retarget (codes kept from e4m3 sources in the same structure)."""
     name = fw.FP8_TARGET
+    hub_tags = ("compressed-tensors", "fp8", "8-bit")
     caps = Caps(frozenset({8}), asym=False, grouped=False, divisor_scale="F32")
     options = FP8_OPTIONS
     dynamic_activations = "e4m3, dynamic (per token; per group of a block's width)"
@@ -111,6 +114,7 @@ class Nvfp4(_CompressedTensorsTarget):
     carried): its own fit, plan and share (one global scale per fused q/k/v and gate/up group, from the
     data), quantizer (llm-compressor's arithmetic) and retarget (codes kept from NVFP4 in either dialect)."""
     name = fw.NVFP4_TARGET
+    hub_tags = ("compressed-tensors", "nvfp4", "4-bit")
     caps = Caps(frozenset({4}), asym=False, per_row=False, scale_dtypes=frozenset({"F8_E4M3"}))
     options = ()
     requantize_rows = True
@@ -141,6 +145,7 @@ class Mxfp4(_CompressedTensorsTarget):
     """llm-compressor's MXFP4A16 (mxfp4-pack-quantized): its own fit, quantizer (llm-compressor's
     arithmetic) and retarget (codes and e8m0 scales kept from MXFP4)."""
     name = fw.MXFP4_TARGET
+    hub_tags = ("compressed-tensors", "mxfp4", "4-bit")
     caps = Caps(frozenset({4}), asym=False, per_row=False, scale_dtypes=frozenset({"U8"}))
     options = ()
     requantize_rows = True

@@ -320,6 +320,10 @@ class Target(_Registered):
     # what a user does where a scale does not fit the dtype it would be stored in (convert's refusal ends
     # with it); None: the --scale-dtype choice
     scale_hint: ClassVar[str | None] = None
+    # its output's names on the Hugging Face Hub, for the model card (convert/card.py): the library that
+    # loads it and its tags (empty: the family's name; the bits are added from the options)
+    hub_library: ClassVar[str | None] = "transformers"
+    hub_tags: ClassVar[tuple[str, ...]] = ()
 
     def codec_module(self):
         """Its ``codec`` module, imported on first use (numpy)."""
@@ -427,6 +431,8 @@ class FileTarget(_Registered):
     family: ClassVar[str]                # the family that reads its output back
     options: ClassVar[tuple] = ()        # core/options.Option declarations: the convert options it takes
                                          # (any other is exit 2)
+    hub_library: ClassVar[str | None] = None     # the model card's library_name and tags (Target's)
+    hub_tags: ClassVar[tuple[str, ...]] = ()
 
     def sink(self, opts, *, max_shard: int, jobs: int, validate: bool):
         """The one-file container convert's engine writes into (a convert/sink.py Sink: the engine plans,

@@ -30,6 +30,7 @@ class Fp8Target(Target):
     sources in the same blocks)."""
     name = "fp8"
     family = "fp8"
+    hub_tags = ("fp8", "8-bit")
     caps = Caps(frozenset({8}), asym=False, per_row=False, scale_dtypes=frozenset({"F32"}), divisor_scale="F32")
     codec = "fp8.codec"
     options = FP8_OPTIONS

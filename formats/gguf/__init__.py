@@ -37,6 +37,7 @@ class GgufTarget(FileTarget):
     name = "gguf"
     family = "gguf"
     options = gguf.WRITER_OPTIONS
+    hub_tags = ("gguf",)
 
     def sink(self, opts, *, max_shard: int, jobs: int, validate: bool):
         from .sink import GGUFSink

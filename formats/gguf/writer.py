@@ -536,8 +536,9 @@ def report(comp: Component, det, opts: Options, outs: list[_Out], summary: dict,
     by_type: dict[str, int] = {}
     for o in outs:
         by_type[o.type_name] = by_type.get(o.type_name, 0) + 1
-    return {"component": comp.name, "from": det.method, "to": "gguf", "search": opts.search, **summary,
-            "gguf_types": dict(sorted(by_type.items())), "gguf_tensors": tensors,
+    bits = sorted({4 if t == "MXFP4" else int(t[1]) for t in by_type if t == "MXFP4" or t[:1] == "Q"})
+    return {"component": comp.name, "from": det.method, "to": "gguf", "search": opts.search, "bits": bits,
+            **summary, "gguf_types": dict(sorted(by_type.items())), "gguf_tensors": tensors,
             "float_rounded": [{"tensor": t["tensor"], "source": t["source"], **t["rounded"]} for t in tensors
                               if "rounded" in t],
             "shards": [f.name for f in files], "tensors": len(outs), "bytes_written": written,

@@ -41,6 +41,8 @@ class MlxTarget(Target):
     of 32 / 64 / 128, mlx-lm's config keys (model_config) and stacked experts (arrange)."""
     name = "mlx"
     family = "mlx"
+    hub_library = "mlx"
+    hub_tags = ("mlx",)
     caps = Caps(frozenset(mlx.BITS) - {1}, per_row=False, tiles_rows=True, fallback_bits=8, divisor_scale="F16",
                 group_sizes=frozenset(mlx.GROUPS))
     codec = "mlx.codec"

@@ -32,6 +32,7 @@ class Nvfp4Target(Target):
     per fused q/k/v and gate/up group) and retarget."""
     name = modelopt.NVFP4_TARGET
     family = "modelopt"
+    hub_tags = ("modelopt", "nvfp4", "4-bit")
     caps = Caps(frozenset({4}), asym=False, per_row=False, scale_dtypes=frozenset({"F8_E4M3"}))
     codec = "modelopt.codec"
     options = ()

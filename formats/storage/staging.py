@@ -247,6 +247,12 @@ def _check_existing_file(dst: Path, *, overwrite: bool) -> None:
             raise OutputError("exists; pass --overwrite to replace it", file=dst)
 
 
+def check_file_free(path: Path, *, overwrite: bool) -> None:
+    """A file the run will publish beside DST (a one-file target's model card): refused before any work
+    where it exists and --overwrite was not given, as DST itself is."""
+    _check_existing_file(path, overwrite=overwrite)
+
+
 def _publish_files(tmp: Path, dst: Path, shown: Path, *, overwrite: bool) -> None:
     """Move each file of tmp beside DST (DST itself, or its split files): without --overwrite by a hard
     link that fails where a file of that name appeared meanwhile, so nothing is replaced."""

@@ -210,11 +210,12 @@ def _prompt_ids(*folders):
 
 
 def folder_key(folder) -> str:
-    """A digest of every file vLLM reads from a folder (its oracle/ left out): two folders with the same
-    files are the same model, loaded once."""
+    """A digest of every file vLLM reads from a folder (its oracle/ and qconv's model card, which vLLM never
+    reads, left out): two folders with the same files are the same model, loaded once."""
     h = hashlib.sha256()
     root = Path(folder)
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and "oracle" not in p.relative_to(root).parts):
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and "oracle" not in p.relative_to(root).parts
+                       and p.name not in ("README.md", "qconv-error.png")):
         h.update(str(path.relative_to(root)).encode() + b"\0")
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):

@@ -364,7 +364,11 @@ def test_hugging_face_cache_snapshot_works(tmp_path, work, layout, verb):
     assert {c["method"] for c in report["components"]} == {"bitsandbytes LLM.int8"}
     run_qconv(verb, snap, tmp_path / "from-cache", check=0)
     run_qconv(verb, plain, tmp_path / "from-folder", check=0)
-    assert _contents(tmp_path / "from-cache") == _contents(tmp_path / "from-folder")
+    cached, folder = _contents(tmp_path / "from-cache"), _contents(tmp_path / "from-folder")
+    # the model cards differ as their sources do: the snapshot's names its repository as the base model
+    assert cached.pop("README.md") != folder.pop("README.md") and cached == folder
+    card = (tmp_path / "from-cache" / "README.md").read_text()
+    assert 'base_model: "org/model"' in card and "base_model" not in (tmp_path / "from-folder" / "README.md").read_text()
     run_qconv("validate", plain, snap, check=0)
     assert snapshot(work) == before
 
@@ -390,9 +394,11 @@ def test_blobs_rule_needs_a_real_cache_repository(tmp_path, work):
 def test_source_may_itself_be_a_link(tmp_path, work):
     m = _model(work)
     (work / "alias").symlink_to("model")
-    run_qconv("bnb8-to-gptq", work / "alias", tmp_path / "a", check=0)
-    run_qconv("bnb8-to-gptq", m, tmp_path / "b", check=0)
-    assert _contents(tmp_path / "a") == _contents(tmp_path / "b")
+    run_qconv("bnb8-to-gptq", work / "alias", tmp_path / "a" / "out", check=0)
+    run_qconv("bnb8-to-gptq", m, tmp_path / "b" / "out", check=0)
+    a, b = _contents(tmp_path / "a" / "out"), _contents(tmp_path / "b" / "out")
+    assert a.pop("README.md") != b.pop("README.md") and a == b       # the card names SRC as it was given
+    assert "qconv bnb8-to-gptq alias out" in (tmp_path / "a" / "out" / "README.md").read_text()
 
 
 def test_destination_link_is_never_written_through(tmp_path, work):

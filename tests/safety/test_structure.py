@@ -417,7 +417,7 @@ def test_a_killed_gguf_run_is_cleaned_up_by_the_next(tmp_path):
     assert [p for p in os.listdir(tmp_path) if p.startswith(".out.gguf.qconv-tmp-")]
     run = run_inprocess("convert", "--to", "gguf", src, out)
     assert run.code == 0, str(run)
-    assert sorted(os.listdir(tmp_path)) == ["out.gguf"]
+    assert sorted(os.listdir(tmp_path)) == ["out.gguf", "out.md"]        # the GGUF and its model card
 
 
 # ------------------------------------------------------------------------ the Python API's arguments

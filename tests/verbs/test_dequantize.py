@@ -209,10 +209,11 @@ def _digest(root):
 def test_deterministic_and_source_untouched(tmp_path):
     src = copy_checkpoint("llama-gptq-w3g128", tmp_path)
     before = _digest(src)
-    first = _dequantize(src, tmp_path / "a")
-    _dequantize(src, tmp_path / "b")
+    first = _dequantize(src, tmp_path / "a" / "out")           # the model card names DST: the same name
+    _dequantize(src, tmp_path / "b" / "out")
     assert first.stderr == ""                  # no progress bar when stderr is not a terminal
-    assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
+    assert _digest(tmp_path / "a" / "out") == _digest(tmp_path / "b" / "out")
+    assert "README.md" in _digest(tmp_path / "a" / "out")
     assert _digest(src) == before
 
 

@@ -50,7 +50,7 @@ CASES = [
 def test_same_bytes_and_summary_whatever_the_jobs(tmp_path, name, verb):
     results = {}
     for jobs in (1, 2, 3):
-        out = tmp_path / f"out{jobs}"
+        out = tmp_path / f"jobs{jobs}" / "out"           # one DST name: the model card names it
         proc = run_qconv(verb[0], "--json", CHECKPOINTS / name, out, *verb[1:], "--max-shard-size", SHARD,
                          "--jobs", jobs)
         results[jobs] = (_digests(out), _summary(proc))
@@ -61,7 +61,7 @@ def test_same_bytes_and_summary_whatever_the_jobs(tmp_path, name, verb):
 
 def test_default_jobs_are_the_cores_and_write_the_same(tmp_path):
     """No --jobs: the machine's cores (here 2 or more in CI; 1 writes in-process), same bytes as --jobs 1."""
-    a, b = tmp_path / "a", tmp_path / "b"
+    a, b = tmp_path / "a" / "out", tmp_path / "b" / "out"      # one DST name: the model card names it
     run_qconv("dequantize", CHECKPOINTS / "llama-fp8-block", a, "--max-shard-size", SHARD, "--jobs", 1, check=0)
     run_qconv("dequantize", CHECKPOINTS / "llama-fp8-block", b, "--max-shard-size", SHARD, check=0)
     assert _digests(a) == _digests(b)

@@ -61,18 +61,18 @@ def test_block_size_is_each_targets_own_block():
 
 
 def test_the_old_spelling_blocksize_works_and_warns(tmp_path, capsys):
-    code, _, err = _cli(capsys, "convert", SRC, tmp_path / "new", "--to", "bnb4-nf4", "--block-size", "128")
+    code, _, err = _cli(capsys, "convert", SRC, tmp_path / "new" / "out", "--to", "bnb4-nf4", "--block-size", "128")
     assert code == 0 and "deprecated" not in err
-    code, _, err = _cli(capsys, "convert", SRC, tmp_path / "old", "--to", "bnb4-nf4", "--blocksize", "128")
+    code, _, err = _cli(capsys, "convert", SRC, tmp_path / "old" / "out", "--to", "bnb4-nf4", "--blocksize", "128")
     assert code == 0
     assert [line for line in err.splitlines() if "blocksize" in line] == [
         "qconv: warning: --blocksize is deprecated: use --block-size"]
     with pytest.warns(DeprecationWarning, match="blocksize= is deprecated: use block_size="):
-        qconv.convert(SRC, tmp_path / "api", to="bnb4-nf4", blocksize=128)
-    want = _files(tmp_path / "new")
-    assert _files(tmp_path / "old") == want and _files(tmp_path / "api") == want
+        qconv.convert(SRC, tmp_path / "api" / "out", to="bnb4-nf4", blocksize=128)
+    want = _files(tmp_path / "new" / "out")              # one DST name: the model card names it
+    assert _files(tmp_path / "old" / "out") == want and _files(tmp_path / "api" / "out") == want
     assert qconv.inspect(SRC).components[0]["blocksize"] == 64
-    assert qconv.inspect(tmp_path / "new").components[0]["blocksize"] == 128     # the option took effect
+    assert qconv.inspect(tmp_path / "new" / "out").components[0]["blocksize"] == 128     # the option took effect
     # the old and the new spelling disagreeing is refused, one line, nothing written
     code, _, err = _cli(capsys, "convert", SRC, tmp_path / "both", "--to", "bnb4-nf4", "--blocksize", "64",
                         "--block-size", "128")

@@ -48,7 +48,7 @@ def _report(result) -> list[dict]:
 @pytest.mark.parametrize("name, kw, streamed", JOBS, ids=lambda v: v if isinstance(v, str) else "-".join(
     f"{k}={v}" for k, v in v.items()) if isinstance(v, dict) else str(v))
 def test_small_windows_give_the_same_bytes_and_never_the_whole_weight(tmp_path, monkeypatch, name, kw, streamed):
-    whole = qconv.convert(CHECKPOINTS / name, tmp_path / "whole", **kw)
+    whole = qconv.convert(CHECKPOINTS / name, tmp_path / "whole", card=False, **kw)   # cards name their DST
     assert whole.requantized, "a lossy path"
     monkeypatch.setattr(rq, "BLOCK_ELEMENTS", 4096)              # 256-input layers: blocks of 16 rows
     monkeypatch.setattr(convert_mod, "REQUANTIZE_WINDOW", 8192)  # ... windows of 32 rows
@@ -71,7 +71,7 @@ def test_small_windows_give_the_same_bytes_and_never_the_whole_weight(tmp_path, 
 
     monkeypatch.setattr(rq.ExactRows, "__getitem__", rows)
     monkeypatch.setattr(rq.ExactRows, "__array__", whole_weight)
-    windows = qconv.convert(CHECKPOINTS / name, tmp_path / "windows", **kw)
+    windows = qconv.convert(CHECKPOINTS / name, tmp_path / "windows", card=False, **kw)
     # really read by windows: of 32 rows, or one 128-row block of FP8_BLOCK; several per module
     assert max(r1 - r0 for r0, r1 in reads) <= 128 and len(reads) >= 2 * len(whole.requantized)
     # written by windows where the target's leaves are stacked rows: every module of more than one window

@@ -10,11 +10,13 @@ import json
 import pytest
 import torch
 
-from conftest import CHECKPOINTS, load_tensors, run_qconv
+from conftest import CHECKPOINTS, is_card, load_tensors, run_qconv
 
 
 def _digest(folder):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+    """Every file's hash but the model card's (it names the run's source and command)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
+            if p.is_file() and not is_card(p)}
 
 
 def _scale_dtypes(folder, suffix):

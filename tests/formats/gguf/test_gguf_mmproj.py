@@ -144,7 +144,7 @@ def test_q8_0_keeps_bitsandbytes_codes(tmp_path, monkeypatch):
 def test_no_mmproj_and_mmproj_type(tmp_path):
     src = CHECKPOINTS / "qwen25vl-bf16"
     comp = _convert(src, tmp_path / "a" / "m.gguf", "--no-mmproj")
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["m.gguf"] and "mmproj" not in comp
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["m.gguf", "m.md"] and "mmproj" not in comp
     assert comp["warnings"] == ["30 vision-tower tensors not written (--no-mmproj): llama.cpp reads a VL model's "
                                 "vision tower from an mmproj file"]
     comp = _convert(src, tmp_path / "b" / "m.gguf", "--mmproj-type", "f16")

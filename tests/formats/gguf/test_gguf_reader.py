@@ -133,7 +133,7 @@ def test_bad_gguf_sources_are_refused_before_anything_is_written(tmp_path):
     patched[start:start + 5] = b"llamb"
     (tmp_path / "other.gguf").write_bytes(bytes(patched))
     one_error(run_qconv("dequantize", tmp_path / "other.gguf", tmp_path / "out2"), 5, "'llamb'")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf", "m.gguf", "other.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf", "m.gguf", "m.md", "other.gguf"]
 
 
 def test_a_split_gguf_dequantizes_as_its_unsplit_file(tmp_path):

@@ -208,8 +208,10 @@ def test_split_files(tmp_path):
     """Past --max-shard-size, llama.cpp's split files (-00001-of-0000N.gguf), each a GGUF with its split
     keys, every tensor in one of them."""
     comp = convert("llama-gptq-w8g128", tmp_path / "m.gguf", "--max-shard-size", "400KB")
-    files = sorted(p.name for p in tmp_path.iterdir())
+    files = sorted(p.name for p in tmp_path.iterdir() if p.name != "m.md")         # the split set's one model card
     assert files == comp["shards"] and len(files) > 1 and files[0] == f"m-00001-of-{len(files):05d}.gguf"
+    card = (tmp_path / "m.md").read_text()
+    assert all(f"| `output/{f}` |" in card for f in files)
     names = [t.name for f in files for t in gguf.GGUFReader(tmp_path / f).tensors]
     assert len(names) == len(set(names)) == comp["tensors"]
 
@@ -440,7 +442,7 @@ def test_destination_rules(tmp_path):
     assert (tmp_path / "m.gguf").read_bytes() == b"keep"
     convert("llama-gptq-w8g128", tmp_path / "m.gguf", "--overwrite")
     assert gguf.GGUFReader(tmp_path / "m.gguf").tensors
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]       # no temporary folder left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "m.md"]   # and its card; no temporary folder
 
 
 def test_validate_catches_a_wrong_row_order(tmp_path, monkeypatch):
