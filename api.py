@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,12 +242,11 @@ def inspect(path: str | os.PathLike[str], *, strict: bool = False) -> InspectRes
 
 def _card(card: bool, base_model: str | None) -> None:
     """The model card arguments: card a bool; base_model None or a Hub repository id (org/name)."""
+    from .convert.card import is_repo_id
+
     _flag("card", card)
-    if base_model is not None and (not isinstance(base_model, str) or not _REPO_ID.match(base_model)):
+    if base_model is not None and not is_repo_id(base_model):
         raise UsageError(f"base_model {base_model!r} is not a Hugging Face repository id (org/name)")
-
-
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def _run_convert(src, dst, opts: ConvertOptions, progress: ProgressCallback | None, card: bool,

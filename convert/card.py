@@ -165,6 +165,11 @@ def for_dequantize(dtype: str | None, src: Path, dst: Path, base_model: str | No
                 ("dequantized",), base_model)
 
 
+def is_repo_id(value) -> bool:
+    """A Hugging Face repository id (org/name): what --base-model takes and the card writes as base_model."""
+    return isinstance(value, str) and _REPO_ID.match(value) is not None
+
+
 def _scalar_or_list(value) -> bool:
     return isinstance(value, (str, int, float)) or (
         isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value))
@@ -221,21 +226,20 @@ def _base_model(src: Path, source_meta: dict, result: dict) -> str | None:
     named = source_meta.get("base_model")
     if isinstance(named, list) and len(named) == 1:
         named = named[0]
-    if isinstance(named, str) and _REPO_ID.match(named) and _quantized_source(result):
+    if is_repo_id(named) and _quantized_source(result):
         return named                                 # a quantized source: both quantize its base
-    real = Path(os.path.realpath(src))
-    for parent in real.parents:                      # a snapshot in the Hugging Face cache: models--org--name
-        if parent.name == "snapshots" and parent.parent.name.startswith("models--"):
-            repo = parent.parent.name[len("models--"):].replace("--", "/", 1)
-            if _REPO_ID.match(repo):
-                return repo
+    blobs = SourceRoot.of(src).blobs                 # a snapshot in the Hugging Face cache: models--org--name
+    if blobs is not None and blobs.parent.name.startswith("models--"):
+        repo = blobs.parent.name[len("models--"):].replace("--", "/", 1)
+        if is_repo_id(repo):
+            return repo
     config = src / "config.json"
     if src.is_dir() and config.is_file():
         try:
             name = json.loads(config.read_text(encoding="utf-8")).get("_name_or_path")
         except (OSError, ValueError, AttributeError):
             name = None
-        if isinstance(name, str) and _REPO_ID.match(name) and not os.path.isabs(name):
+        if is_repo_id(name) and not os.path.isabs(name):
             return name
     return None
 
