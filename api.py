@@ -38,15 +38,16 @@ from .formats.core.options import check_flag as _flag, check_int as _int_in, che
 from .formats.core.options import check_jobs as _jobs, what as _what
 from .progress import ProgressCallback, ProgressEvent, reporting
 
-__all__ = ["inspect", "convert", "bnb8_to_gptq", "dequantize", "validate",
+__all__ = ["inspect", "convert", "bnb8_to_gptq", "dequantize", "validate", "check_model",
            "InspectOptions", "ConvertOptions", "DequantizeOptions", "ValidateOptions", "target_options",
-           "InspectResult", "ConvertResult", "DequantizeResult", "ValidateResult",
+           "InspectResult", "ConvertResult", "DequantizeResult", "ValidateResult", "ModelCheckResult",
            "ProgressEvent", "targets", "to_json", "parse_size"]
 
 DEQUANTIZE_DTYPES = ("auto",) + FLOAT_TARGETS
 DEVICES = ("auto", "cpu", "cuda")
 ROWS = ("all", "sampled")
 KERNELS = ("sampled", "all")
+MODEL_ENGINES = ("auto", "transformers", "native")      # check_model's engine (model_check.ENGINES)
 SAMPLES_RANGE = (1, 4096)
 SEED_RANGE = (0, 2**32 - 1)
 
@@ -211,6 +212,19 @@ class ValidateResult(_Result):
     only_in_b: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class ModelCheckResult(_Result):
+    a: str
+    b: str
+    ok: bool                               # max_kl not given, or the mean KL divergence within it
+    kl_mean: float                         # KL(P_A || P_B) of the next-token distributions, per position
+    kl_p99: float
+    top1_agreement: float
+    perplexity_a: float
+    perplexity_b: float
+    engine_b: str                          # where B ran (llama.cpp, mlx-lm, transformers) and its version
+
+
 def _written(cls, data: dict, **extra):
     return cls(data=data, source=Path(data["source"]), destination=Path(data["destination"]),
                seconds=data["seconds"], components=tuple(data["components"]),
@@ -250,26 +264,35 @@ def _card(card: bool, base_model: str | None) -> None:
 
 
 def _run_convert(src, dst, opts: ConvertOptions, progress: ProgressCallback | None, card: bool,
-                 base_model: str | None, verb: str = "convert") -> ConvertResult:
+                 base_model: str | None, verb: str = "convert", check_model: bool = False) -> ConvertResult:
     from .convert.card import for_convert
     from .convert.convert import convert as run_convert
 
     _card(card, base_model)
+    _flag("check_model", check_model)
     src, dst, progress = _path("src", src), _path("dst", dst), _progress(progress)
     with reporting(progress):
         data = run_convert(src, dst, opts, overwrite=opts.overwrite,
                            max_shard_size=opts.max_shard_size, validate=opts.validate, jobs=opts.jobs,
-                           card=for_convert(opts, src, dst, base_model, verb) if card else None)
+                           card=for_convert(opts, src, dst, base_model, verb, check_model) if card else None,
+                           check=_model_check if check_model else None)
     packed = [c for c in data["components"] if "to" in c]
     return _written(ConvertResult, data, codes_kept=sum(c["codes_kept"] for c in packed),
                     requantized=tuple(r for c in packed for r in c.get("layers", [])),
                     validated=bool(data["components"]) and all("validation" in c for c in data["components"]))
 
 
+def _model_check(src: Path, out: Path) -> dict:
+    """convert --check-model: the staged result against its source (model_check/), or why it could not run."""
+    from .model_check import check_or_refusal
+
+    return check_or_refusal(src, out)
+
+
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str, validate: bool = False,
             overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD, jobs: int | None = None,
             search: bool = True, progress: ProgressCallback | None = None, card: bool = True,
-            base_model: str | None = None, **options) -> ConvertResult:
+            base_model: str | None = None, check_model: bool = False, **options) -> ConvertResult:
     """Rewrite ``src`` as ``to`` (``targets()``: gptq, gptq-v2, auto-round, compressed-tensors,
     compressed-tensors-w8a8, -fp8, -nvfp4, -mxfp4, awq, fp8, modelopt-fp8, -nvfp4, mlx, bnb8, bnb4-nf4,
     bnb4-fp4, gguf, float16, bfloat16, float32) at ``dst``, keeping every code where the arithmetic allows
@@ -291,10 +314,13 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     an integer target are plain round-to-nearest (no error-minimising search: several times faster, a larger
     error, reported as ever). to="gguf" writes ``dst`` as one llama.cpp GGUF file (and its split files past
     max_shard_size). card=True (the default) writes the model card (docs/card.md): DST's README.md, or
-    ``<name>.md`` beside a GGUF; base_model names the Hub repository it quantizes where the source does not."""
+    ``<name>.md`` beside a GGUF; base_model names the Hub repository it quantizes where the source does not.
+    check_model=True runs the model-level check (``check_model``: KL divergence, top-1 agreement, perplexities)
+    of the result against ``src`` before it is published, into ``result.data["model_check"]`` and the card;
+    where it cannot run (no tokenizer, ...) the result is still written and both say why."""
     opts = ConvertOptions(to, validate=validate, overwrite=overwrite, max_shard_size=max_shard_size, jobs=jobs,
                           search=search, **options)
-    return _run_convert(src, dst, opts, progress, card, base_model)
+    return _run_convert(src, dst, opts, progress, card, base_model, check_model=check_model)
 
 
 def _convert_signature():
@@ -332,13 +358,13 @@ _convert_package.__class__ = _CallablePackage
 def bnb8_to_gptq(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, scale_dtype: str | None = None,
                  validate: bool = False, overwrite: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD,
                  jobs: int | None = None, progress: ProgressCallback | None = None, card: bool = True,
-                 base_model: str | None = None) -> ConvertResult:
+                 base_model: str | None = None, check_model: bool = False) -> ConvertResult:
     """A bitsandbytes LLM.int8 checkpoint as GPTQ 8-bit, one scale per output row, symmetric, every code kept
     (q = CB + 128); scales SCB / 127 stored as float16 unless scale_dtype says otherwise. Any other source
     method is refused (``UnsupportedFormat``)."""
     opts = ConvertOptions("gptq", bits=8, group_size=-1, sym=True, scale_dtype=scale_dtype, validate=validate,
                           overwrite=overwrite, max_shard_size=max_shard_size, source="bnb8", jobs=jobs)
-    return _run_convert(src, dst, opts, progress, card, base_model, "bnb8-to-gptq")
+    return _run_convert(src, dst, opts, progress, card, base_model, "bnb8-to-gptq", check_model)
 
 
 def dequantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtype: str = "auto",
@@ -361,6 +387,43 @@ def dequantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, dtyp
                               if card else None)
     return _written(DequantizeResult, data,
                     dequantized_modules=sum(c["dequantized_modules"] for c in data["components"]))
+
+
+def check_model(a: str | os.PathLike[str], b: str | os.PathLike[str], *, text: str | os.PathLike[str] | None = None,
+                engine: str = "auto", python: str | os.PathLike[str] | None = None, max_kl: float | None = None,
+                check: bool = True, progress: ProgressCallback | None = None) -> ModelCheckResult:
+    """How far ``b`` is from ``a`` end to end (``qconv validate A B --model``; docs/validate.md): both run on
+    ``text`` (a UTF-8 file; default: the bundled public-domain text) tokenized by A's tokenizer; the mean,
+    99th percentile and maximum KL divergence of B's next-token distribution from A's, top-1 agreement and
+    both perplexities. A runs in transformers (float32, on qconv's exact decoding), B in its format's own
+    engine (llama.cpp for a GGUF, mlx-lm for MLX) where it imports in ``python`` (default: this one) unless
+    engine="transformers"; engine="native" refuses where it does not. max_kl: with check=True (default),
+    ``CheckFailed`` (exit 1, ``err.result``) when the mean KL is above it."""
+    _name("engine", engine, MODEL_ENGINES)
+    _flag("check", check)
+    _path("a", a), _path("b", b)
+    if text is not None:
+        _path("text", text)
+    if python is not None:
+        _path("python", python)
+    if max_kl is not None and (isinstance(max_kl, bool) or not isinstance(max_kl, (int, float))
+                               or not math.isfinite(max_kl) or max_kl < 0):
+        raise UsageError(f"{_what('max_kl')} {max_kl!r} is not a finite number >= 0")
+    from .model_check import check_model as run_check
+
+    with reporting(_progress(progress)):
+        data = run_check(a, b, text=text, engine=engine, python=None if python is None else str(python))
+    data["ok"] = max_kl is None or data["kl_mean"] <= max_kl
+    if max_kl is not None:
+        data["max_kl"] = max_kl
+    result = ModelCheckResult(data=data, a=data["a"], b=data["b"], ok=data["ok"], kl_mean=data["kl_mean"],
+                              kl_p99=data["kl_p99"], top1_agreement=data["top1_agreement"],
+                              perplexity_a=data["perplexity_a"], perplexity_b=data["perplexity_b"],
+                              engine_b=data["engine_b"])
+    if check and not result.ok:
+        raise CheckFailed(f"mean KL divergence {result.kl_mean:.4g} is above --max-kl {max_kl:g}", file=b,
+                          result=result)
+    return result
 
 
 def validate(a: str | os.PathLike[str], b: str | os.PathLike[str], *, device: str = "auto",

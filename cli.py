@@ -196,6 +196,8 @@ def _convert_table(result: dict) -> str:
         if "validation" in c:
             v = c["validation"]
             lines.append(f"validated {c['component']}: {v['layers']} layers match the source ({v['device']})")
+    if "model_check" in result:
+        lines.append(_model_check_line(result["model_check"]))
     for c in result["components"]:
         if len(c.get("scale_dtypes") or {}) > 1:       # a target that picks the dtype per module (MLX: exact)
             stored = ", ".join(f"{code} ({n} modules)" for code, n in c["scale_dtypes"].items())
@@ -312,7 +314,11 @@ _COMMON = [*_CARD,
            click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON."),
            click.option("--validate", is_flag=True, help="Check every layer of the result against the "
                         "source (qconv validate) before it is moved to DST; a failing result is never "
-                        "left at DST (exit 1).")]
+                        "left at DST (exit 1)."),
+           click.option("--check-model", is_flag=True, help="Run the source and the result on a bundled text "
+                        "(qconv validate --model: KL divergence, top-1 agreement, perplexities; the result in its "
+                        "own engine where installed) before DST is published; the figures go into the card and "
+                        "the report. Where it cannot run (no tokenizer, ...) both say why and DST is written.")]
 
 
 def _common(fn):
@@ -334,7 +340,7 @@ def _common(fn):
                    "round-to-nearest (several times faster, a larger error; reported either way).")
 @_common
 def convert_cmd(src, dst, to, search, card, base_model, overwrite, max_shard_size, jobs, as_json, validate,
-                **options) -> int:
+                check_model, **options) -> int:
     """Rewrite SRC in another format at DST, keeping every integer code where the arithmetic allows
     (bnb8 <-> GPTQ 8-bit per-row symmetric or compressed-tensors W8A8 / W8A16 per channel; GPTQ v1 <-> v2
     <-> auto-round <-> compressed-tensors <-> AWQ where the bits, groups and zero points fit). W8A8 also
@@ -357,7 +363,8 @@ def convert_cmd(src, dst, to, search, card, base_model, overwrite, max_shard_siz
     for line in warned:
         click.echo(line, err=True)
     result = api.convert(src, dst, to=to, validate=validate, overwrite=overwrite, max_shard_size=max_shard_size,
-                         jobs=jobs, search=search, progress=_progress(), card=card, base_model=base_model, **given)
+                         jobs=jobs, search=search, progress=_progress(), card=card, base_model=base_model,
+                         check_model=check_model, **given)
     return _show_convert(result, as_json)
 
 
@@ -367,14 +374,14 @@ def convert_cmd(src, dst, to, search, card, base_model, overwrite, max_shard_siz
 @_SCALE_DTYPE
 @_common
 def bnb8_to_gptq_cmd(src, dst, scale_dtype, card, base_model, overwrite, max_shard_size, jobs, as_json,
-                     validate) -> int:
+                     validate, check_model) -> int:
     """Turn a bitsandbytes LLM.int8 checkpoint into GPTQ 8-bit, one scale per output row, symmetric:
     the layout vLLM's Marlin kernels run. Codes are kept exactly (q = CB + 128); scales are SCB / 127,
     stored as float16 unless --scale-dtype says otherwise (the only rounding, reported).
     """
     result = api.bnb8_to_gptq(src, dst, scale_dtype=scale_dtype, validate=validate, overwrite=overwrite,
                               max_shard_size=max_shard_size, jobs=jobs, progress=_progress(), card=card,
-                              base_model=base_model)
+                              base_model=base_model, check_model=check_model)
     return _show_convert(result, as_json)
 
 
@@ -407,17 +414,56 @@ With --tol: relative Frobenius error of Y <= tol (use it for lossy pairs).
 @click.option("--kernels", type=click.Choice(api.KERNELS), default="sampled", show_default=True,
               help="Layers the producers' own kernels are cross-checked on: each distinct (format, kernel, "
                    "shape) once plus 16 layers drawn with --seed, or every layer.")
+@click.option("--model", "model", is_flag=True,
+              help="Instead, the model-level check: both models run on a text (KL divergence of B's next-token "
+                   "distribution from A's, mean / p99 / max, top-1 agreement, both perplexities); A in "
+                   "transformers, B in its own engine (llama.cpp, mlx-lm) where installed.")
+@click.option("--text", type=click.Path(path_type=Path), default=None,
+              help="--model: a UTF-8 text of at least 64 tokens (default: the bundled public-domain text).")
+@click.option("--engine", type=click.Choice(api.MODEL_ENGINES), default="auto", show_default=True,
+              help="--model: where B runs: its format's engine where it imports (auto), transformers, or its "
+                   "engine only (native: refused where it is not installed).")
+@click.option("--engine-python", type=click.Path(path_type=Path), default=None,
+              help="--model: the Python that has B's engine (default: this one).")
+@click.option("--max-kl", type=float, default=None,
+              help="--model: fail (exit 1) when the mean KL divergence is above this.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"ok", "layers": [...]} as JSON.')
-def validate_cmd(a, b, device, tol, samples, seed, rows, kernels, as_json) -> int:
+def validate_cmd(a, b, device, tol, samples, seed, rows, kernels, model, text, engine, engine_python, max_kl,
+                 as_json) -> int:
     """Check layer by layer that checkpoints A and B compute the same thing: the same seeded
     activations through both sides' exact weights (and through the producer's own kernel where it is
     installed: bitsandbytes int8 and 4-bit, auto-round's CPU kernel; by default on each distinct
     format, kernel and shape once plus a seeded sample of layers), on the GPU when there is one.
-    Modules on one side only are reported and fail."""
+    Modules on one side only are reported and fail. With --model, how far B is from A end to end
+    instead (docs/validate.md)."""
+    ctx = click.get_current_context()
+    per_layer = [n for n in ("device", "tol", "samples", "seed", "rows", "kernels")
+                 if ctx.get_parameter_source(n) not in _NOT_GIVEN]
+    per_model = [n for n in ("text", "engine", "engine_python", "max_kl") if ctx.get_parameter_source(n) not in _NOT_GIVEN]
+    if model and per_layer:
+        raise click.UsageError(f"--{per_layer[0]} is a per-layer option; --model runs the model-level check")
+    if not model and per_model:
+        raise click.UsageError(f"--{per_model[0].replace('_', '-')} needs --model")
+    if model:
+        checked = api.check_model(a, b, text=text, engine=engine, python=engine_python, max_kl=max_kl, check=False,
+                                  progress=_progress())
+        click.echo(checked.to_json() if as_json else _model_check_line(checked.data))
+        return EXIT_OK if checked.ok else EXIT_FAILED
     result = api.validate(a, b, device=device, tol=tol, samples=samples, seed=seed, rows=rows, kernels=kernels,
                           check=False, progress=_progress())
     click.echo(result.to_json() if as_json else _validate_table(result.data))
     return EXIT_OK if result.ok else EXIT_FAILED
+
+
+def _model_check_line(m: dict) -> str:
+    if "refused" in m:
+        return f"model check: could not run: {m['refused']}"
+    line = (f"model check ({m['tokens']} tokens; B in {m['engine_b']}): KL mean {m['kl_mean']:.4g}, "
+            f"p99 {m['kl_p99']:.4g}, max {m['kl_max']:.4g}; top-1 agreement {m['top1_agreement']:.2%}; "
+            f"perplexity A {m['perplexity_a']:.6g}, B {m['perplexity_b']:.6g}")
+    if "max_kl" in m:
+        line += f"; {'within' if m['ok'] else 'FAIL: above'} --max-kl {m['max_kl']:g}"
+    return "\n".join([line] + [f"  note: {n}" for n in m["notes"]])
 
 
 def _validate_table(result: dict) -> str:

@@ -141,7 +141,8 @@ def _flags(opts) -> list[str]:
     return flags
 
 
-def for_convert(opts, src: Path, dst: Path, base_model: str | None = None, verb: str = "convert") -> Card:
+def for_convert(opts, src: Path, dst: Path, base_model: str | None = None, verb: str = "convert",
+                check_model: bool = False) -> Card:
     """convert's (and bnb8-to-gptq's: its one option, --scale-dtype) card, its hub names from the target's
     registration (Target.hub_library, hub_tags: the family's name where it declares none)."""
     from ..formats.core.options import FLOAT_TARGETS
@@ -157,6 +158,7 @@ def for_convert(opts, src: Path, dst: Path, base_model: str | None = None, verb:
     else:
         flags = ["--scale-dtype", opts.get("scale_dtype")] if opts.get("scale_dtype") else []
     flags += ["--validate"] if opts.validate else []
+    flags += ["--check-model"] if check_model else []
     return Card(_command(verb, src, dst, flags), library, tags, base_model)
 
 
@@ -342,6 +344,24 @@ def _validation_lines(result: dict) -> list[str]:
     return ["- not run here: `qconv validate SRC DST` checks every layer of the result against the source"]
 
 
+def _model_check_lines(result: dict) -> list[str]:
+    """--check-model's figures (model_check/): KL divergence of the output's next-token distribution from the
+    source's on a text, top-1 agreement and both perplexities, with the engines each side ran in."""
+    m = result.get("model_check")
+    if m is None:
+        return ["- not run (`--check-model` runs the source and the result on a bundled text and reports KL "
+                "divergence, top-1 agreement and perplexities; `qconv validate SRC DST --model` afterwards)"]
+    if not m["ok"]:
+        return [f"- could not run: {_cell(m['refused'])}"]
+    lines = [f"The source and this output on {_cell(m['text'])} ({m['tokens']} tokens, SHA-256 `{m['text_sha256']}`), "
+             f"the source in {_cell(m['engine_a'])}, this output in {_cell(m['engine_b'])}:", "",
+             "| KL divergence, mean | KL, 99th percentile | KL, max | top-1 agreement | perplexity, source | "
+             "perplexity, output |", "|---|---|---|---|---|---|",
+             f"| {m['kl_mean']:.4g} | {m['kl_p99']:.4g} | {m['kl_max']:.4g} | {m['top1_agreement']:.2%} | "
+             f"{m['perplexity_a']:.6g} | {m['perplexity_b']:.6g} |"]
+    return lines + [""] + [f"- {_cell(n)}" for n in m["notes"]] if m["notes"] else lines
+
+
 def _requantized_table(result: dict) -> list[str]:
     rows = [(c["component"], r) for c in result["components"] for r in c.get("layers", [])]
     if not rows:
@@ -364,30 +384,48 @@ def _requantized(result: dict) -> list[dict]:
     return sorted((r for c in result["components"] for r in c.get("layers", [])), key=lambda r: natural_key(r["module"]))
 
 
+def _output_errors(result: dict) -> dict[str, float]:
+    """--validate's per-layer output error (relative Frobenius of Y = X W^T against the source's), by module."""
+    return {m: e for c in result["components"] for m, e in
+            ((c.get("validation") or {}).get("output_errors") or {}).items()}
+
+
 def _draw(path: Path, result: dict) -> str | None:
-    """The per-layer error as a PNG at path: each requantized module's relative error (bars) beside
-    round-to-nearest's (dots), in model order; its name, or None where no module was requantized (every
-    code kept: the error is 0 everywhere, the card says so). Rendered by matplotlib's Agg into pixels and
-    encoded here with the standard library's zlib, so the bytes are the same on every machine with the same
-    matplotlib."""
-    rows = _requantized(result)
-    if not rows:
+    """The per-layer error as a PNG at path: each requantized module's relative weight error (bars) beside
+    round-to-nearest's (dots), and where --validate ran, every validated layer's output error (crosses; the
+    x axis is then every validated layer, a kept one's bar 0), in model order; its name, or None where no
+    module was requantized and no output differs (every code kept: the error is 0 everywhere, the card says
+    so). Rendered by matplotlib's Agg into pixels and encoded here with the standard library's zlib, so the
+    bytes are the same on every machine with the same matplotlib."""
+    from ..formats.core.layout import natural_key
+
+    requantized = {r["module"]: r for r in _requantized(result)}
+    outputs = _output_errors(result)
+    if not requantized and not any(outputs.values()):
         return None
     from matplotlib.backends.backend_agg import FigureCanvasAgg      # no pyplot: the caller's backend untouched
     from matplotlib.figure import Figure
 
+    names = sorted(set(requantized) | set(outputs), key=natural_key)
     fig = Figure(figsize=(9, 3.2), dpi=100)
     canvas = FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    x = list(range(len(rows)))
-    ax.bar(x, [r["rel_frobenius"] for r in rows], width=0.8, color="#d9534f", label="requantized: relative error")
-    ax.plot(x, [r["rtn_rel_frobenius"] for r in rows], "k.", label="round-to-nearest onto the same grid")
+    x = list(range(len(names)))
+    weights = [requantized[n]["rel_frobenius"] if n in requantized else 0.0 for n in names]
+    rtn = [requantized[n]["rtn_rel_frobenius"] if n in requantized else float("nan") for n in names]
+    ax.bar(x, weights, width=0.8, color="#d9534f", label="requantized: relative weight error")
+    ax.plot(x, rtn, "k.", label="round-to-nearest onto the same grid")
+    if outputs:
+        ax.plot(x, [outputs.get(n, float("nan")) for n in names], "x", color="#1f5fa8",
+                label="--validate: relative output error")
     kept = sum(c.get("codes_kept", 0) for c in result["components"])
-    ax.set_xlabel(f"requantized module ({len(rows)}, in model order)"
+    ax.set_xlabel(f"validated layer ({len(names)}, in model order)" if outputs else
+                  f"requantized module ({len(names)}, in model order)"
                   + (f"; {kept} more kept their codes (error 0)" if kept else ""))
     ax.set_ylabel("relative Frobenius error")
-    ax.set_xlim(-1, len(rows))
-    ax.set_ylim(0, 1.1 * max(max(r["rel_frobenius"], r["rtn_rel_frobenius"]) for r in rows) or 1.0)
+    ax.set_xlim(-1, len(names))
+    top = max([*weights, *(v for v in rtn if v == v), *outputs.values()])
+    ax.set_ylim(0, 1.1 * top or 1.0)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     canvas.draw()
@@ -426,10 +464,11 @@ def _render(meta: dict, card: Card, src: Path, dst: Path, result: dict, hashes: 
         lines += _component_lines(c)
     if picture:
         lines += ["", f"![per-layer relative error of the conversion]({picture})"]
-    elif any(c.get("layers") for c in comps):
+    elif any(c.get("layers") for c in comps) or any(_output_errors(result).values()):
         lines += ["", "(The picture of the per-layer error needs matplotlib: `pip install qconv[plot]`.)"]
     lines += _requantized_table(result)
     lines += ["", "## Validation", ""] + _validation_lines(result)
+    lines += ["", "## Model-level check", ""] + _model_check_lines(result)
     said = [w for c in comps for w in c.get("warnings", [])] + list(result.get("warnings", [])) + warnings
     if said:
         lines += ["", "## Warnings", ""] + [f"- {_cell(w)}" for w in dict.fromkeys(said)]

@@ -249,13 +249,16 @@ def check_results(written, *, samples: int = 32, seed: int = 0) -> list[dict]:
                           "no layer of the result could be compared with the source")
             # `out` is the staging folder; staging names it as DST in the message
             raise ValidationFailed(f"validation failed, nothing written: {detail}", file=out)
-        report["validation"] = {"ok": True, "layers": len(result["layers"]), "device": result["device"]}
+        # each layer's output error (relative Frobenius of Y = X W^T against the source's), for the card's picture
+        report["validation"] = {"ok": True, "layers": len(result["layers"]), "device": result["device"],
+                                "output_errors": {r["module"]: r["rel_frobenius"] for r in result["layers"]
+                                                  if "rel_frobenius" in r}}
     return results
 
 
 def convert(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
             max_shard_size: int = DEFAULT_MAX_SHARD, validate: bool = False, jobs: int = 1,
-            card: Card | None = None) -> dict:
+            card: Card | None = None, check=None) -> dict:
     own = file_target(opts.to)
     if own is not None:                         # one file, not a folder: its family's sink (gguf/sink.py)
         sink = own.sink(opts, max_shard=max_shard_size, jobs=jobs, validate=validate)
@@ -264,4 +267,4 @@ def convert(src: Path, dst: Path, opts: Options, *, overwrite: bool = False,
                           check_results if validate else None)
     else:
         raise ValueError(opts.to)
-    return run(src, dst, sink, overwrite=overwrite, card=card)
+    return run(src, dst, sink, overwrite=overwrite, card=card, check=check)

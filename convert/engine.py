@@ -157,12 +157,14 @@ def write_component(comp: Component, out_dir: Path, tensors: list[OutTensor], co
             "copied": [rel for _, rel in carried.files] + sorted(made), "left_out": carried.left_out}
 
 
-def run(src: Path, dst: Path, sink: Sink, *, overwrite: bool, card: Card | None = None) -> dict:
+def run(src: Path, dst: Path, sink: Sink, *, overwrite: bool, card: Card | None = None,
+        check: Callable[[Path, Path], dict] | None = None) -> dict:
     """Every target's one path: open SRC, take the components the sink writes (a pipeline's unquantized
     components and other files are carried as they are), check everything that will be read, copied or
     replaced before DST is touched, then write each component into the staged DST, read the result back
-    where asked (before the rename: a result that fails never reaches DST), write the model card (card.py)
-    from the report, publish, report."""
+    where asked (before the rename: a result that fails never reaches DST), run the model-level check where
+    given (check(SRC, the staged result): --check-model, model_check/), write the model card (card.py) from
+    the report, publish, report."""
     src, dst = Path(src), Path(dst)
     sink.destination(src, dst)
     if card is not None and sink.files:          # <name>.md beside a one-file DST: refused before any work
@@ -191,6 +193,8 @@ def run(src: Path, dst: Path, sink: Sink, *, overwrite: bool, card: Card | None 
         if target.kind == "pipeline":
             result["left_out"] = copied.left_out
             result["warnings"] = [_left_out_warning(copied.left_out)] if copied.left_out else []
+        if check is not None and written:
+            result["model_check"] = check(src, written[0][1])
         if card is not None:
             result["card"] = card.write(tmp, src, dst, sink.files, source, result)
     result["seconds"] = round(time.monotonic() - t0, 3)

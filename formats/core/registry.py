@@ -154,6 +154,20 @@ class Kernel:
     source_output: str | None = None
 
 
+@dataclass(frozen=True)
+class Engine:
+    """The engine users run a format's models in, for the model-level check (``qconv validate --model``,
+    model_check/): its name as the report says it, the module that must import in the engine's Python, and
+    its runner: a script beside the family's __init__ (the engine, numpy and the standard library; never
+    qconv, which that Python need not have) defining ``run(model, request) -> (result, logits)``: request
+    {"ids": [...], "text": "...", "threads": N}; logits float32, one row of next-token logits per id; result
+    {"n_vocab", "tokens": the engine's own tokenization of the text without special tokens, "version"}; an
+    exception is the engine's refusal. model_check/runner.py loads it in the engine's Python."""
+    name: str
+    module: str
+    script: str
+
+
 class Dialect(_Registered):
     """A quantization_config language (bitsandbytes, GPTQ / auto-round, AWQ, compressed-tensors): what
     inspect checks of a config against the tensors, and how a config names its method. One dialect can
@@ -169,6 +183,8 @@ class Dialect(_Registered):
     # config methods reported under their own name, not the family's that decodes a module (auto-round:
     # one config language over GPTQ's and AWQ's packings)
     reported_as_itself: ClassVar[frozenset] = frozenset()
+    # the engine its models are run in by the model-level check (None: transformers, on qconv's decoding)
+    engine: ClassVar[Engine | None] = None
 
     def lint(self, qc: Mapping, modules: list, all_modules: set, comp, warnings: list) -> None:
         """Append to warnings what the config says that its modules (all_modules: every module name in

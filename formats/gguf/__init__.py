@@ -3,7 +3,7 @@ the gguf family (a GGUF opened as a source: Q8_0 / Q4_0 / Q5_0 / MXFP4 block ten
 q / k read whole, codec.row_step) and dialect, the storage container that opens a GGUF file (and inspect's
 header-only report of it), and `--to gguf`, its writer."""
 
-from ..core.registry import Dialect, Family, FileTarget, lazy
+from ..core.registry import Dialect, Engine, Family, FileTarget, lazy
 from ..storage.checkpoint import Container, register_container
 from . import header as gguf
 
@@ -25,6 +25,7 @@ class GgufDialect(Dialect):
     name = "gguf"
     config_methods = frozenset({"gguf"})
     header = gguf
+    engine = Engine("llama.cpp", "llama_cpp", "llamacpp_run.py")
 
 
 register_container(Container("gguf", gguf.looks_like_gguf, lazy("gguf.source", "open_gguf"),

@@ -2,7 +2,7 @@
 the layout, codec.py (numpy) reads and writes the data. Its declarations: the mlx family, dialect (its
 config has no quant_method: recognised bare) and target."""
 
-from ..core.registry import Caps, Dialect, Family, Target
+from ..core.registry import Caps, Dialect, Engine, Family, Target
 from . import header as mlx
 
 
@@ -28,6 +28,7 @@ class MlxDialect(Dialect):
     name = "mlx"
     config_methods = frozenset({"mlx"})
     header = mlx
+    engine = Engine("mlx-lm", "mlx_lm", "mlxlm_run.py")
 
     def refuse(self, qc):
         return mlx.refuse(qc)

@@ -320,3 +320,26 @@ def test_llama_cpp_tokenizes_a_sentencepiece_gguf_as_sentencepiece(tmp_path):
     differ = sum(ids != [sp.bos_id()] + sp.encode(text) for text, ids in zip(SPM_STRINGS, control["ids"]))
     print({"strings": len(SPM_STRINGS), "control_differs": differ})
     assert differ >= 5, differ
+
+
+def test_the_model_check_runs_a_gguf_in_llama_cpp(report):
+    """`qconv validate A B --model` with B a GGUF runs B in llama.cpp itself (model_check/, the gguf
+    dialect's Engine), A in transformers. On the F32 GGUF of llama-fp16 the two engines hold the same float32
+    weights and differ only in summation order: KL 3.3e-9 measured (bound 1e-6), the same top-1 token at every
+    position, and B's perplexity in llama.cpp equals B's in transformers (engine="transformers": qconv's
+    decoding of the same file, KL exactly 0) within 1e-4. The Q8_0 file of llama-gptq-w8g128 (codes kept) has
+    llama.cpp's 8-bit activations in its figure (6.9e-6 measured); the same file with llama's q / k rows left
+    in Hugging Face order in one tensor kind (the negative control) is 2.2e-3 away (top-1 agreement 63%), 313x it
+    (bound: 100x)."""
+    from qconv import check_model
+
+    paths = report["converted"]["paths"]
+    native = check_model(CHECKPOINTS / "llama-fp16", paths["fp16-float-f32"], engine="native", python=LLAMA_PYTHON)
+    plain = check_model(CHECKPOINTS / "llama-fp16", paths["fp16-float-f32"], engine="transformers")
+    assert native.engine_b.startswith("llama-cpp-python 0.3.36") and plain.engine_b.startswith("transformers")
+    assert plain.kl_mean == 0.0 and native.kl_mean < 1e-6 and native.top1_agreement == 1.0, native.data
+    assert abs(native.perplexity_b / plain.perplexity_b - 1) < 1e-4
+    kept = check_model(CHECKPOINTS / "llama-gptq-w8g128", paths["gptq-w8-q8_0"], python=LLAMA_PYTHON)
+    control = check_model(CHECKPOINTS / "llama-gptq-w8g128", paths["control-qk-order"], python=LLAMA_PYTHON)
+    assert kept.engine_b.startswith("llama-cpp-python") and 0 < kept.kl_mean < 1e-4
+    assert control.kl_mean > 100 * kept.kl_mean, (control.kl_mean, kept.kl_mean)

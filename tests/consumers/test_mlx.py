@@ -199,3 +199,18 @@ def test_a_wrong_code_is_seen(report, tmp_path):
     assert compare_logprobs(logits, good, TOLERANCE)["max_abs_logprob_diff"] > 10 * TOLERANCE
     want = qconv_decoding(CHECKPOINTS / "llama-gptq-w8g128")[name]
     assert not same(load_file(f"{entry['dir']}/weights.safetensors")[name], want)
+
+
+def test_the_model_check_runs_an_mlx_folder_in_mlx_lm(report):
+    """`qconv validate A B --model` with B an MLX folder runs B in mlx-lm itself (model_check/, the mlx
+    dialect's Engine; every parameter cast to float32), A in transformers on qconv's decoding of the GPTQ
+    source. Codes kept, so both hold the same float32 weights: KL 3.8e-14 measured (bound 1e-9), the same
+    top-1 token at every position, B's perplexity in mlx-lm equal to B's in transformers within 1e-6."""
+    from qconv import check_model
+
+    src, out = CHECKPOINTS / "llama-gptq-w4g64-asym", report["gptq-w4g64-asym"]["out"]
+    native = check_model(src, out, engine="native", python=MLX_PYTHON)
+    plain = check_model(src, out, engine="transformers")
+    assert native.engine_b.startswith("mlx-lm 0.32.2") and plain.kl_mean == 0.0
+    assert native.kl_mean < 1e-9 and native.top1_agreement == 1.0, native.data
+    assert abs(native.perplexity_b / plain.perplexity_b - 1) < 1e-6

@@ -288,7 +288,7 @@ def test_layout_names_every_module_and_only_modules_that_exist():
     layout = (ROOT / "docs" / "layout.md").read_text()
     named = set(re.findall(r"`([\w]+\.py)`", layout))
     sources = [*ROOT.glob("*.py"), *(ROOT / "convert").glob("*.py"), *(ROOT / "validation").glob("*.py"),
-               *(ROOT / "formats").rglob("*.py")]
+               *(ROOT / "model_check").glob("*.py"), *(ROOT / "formats").rglob("*.py")]
     modules = {p.name for p in sources}
     assert named <= modules, f"docs/layout.md names modules that do not exist: {named - modules}"
     for p in sorted(p for p in sources if p.parent != ROOT and p.name != "__init__.py"):

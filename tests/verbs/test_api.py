@@ -168,7 +168,7 @@ def test_errors_carry_their_exit_codes(tmp_path):
 
 
 def test_every_verb_is_documented_with_keyword_only_options():
-    for name in ("inspect", "convert", "bnb8_to_gptq", "dequantize", "validate"):
+    for name in ("inspect", "convert", "bnb8_to_gptq", "dequantize", "validate", "check_model"):
         fn = getattr(api, name)
         assert fn.__doc__ and len(fn.__doc__) > 100, name
         params = list(pyinspect.signature(fn).parameters.values())
@@ -199,13 +199,14 @@ def test_the_documented_verbs_are_the_api():
     from conftest import REPO
 
     text = (REPO / "docs" / "python-api.md").read_text()
-    for name in ("inspect", "convert", "bnb8_to_gptq", "dequantize", "validate"):
+    for name in ("inspect", "convert", "bnb8_to_gptq", "dequantize", "validate", "check_model"):
         sig = pyinspect.signature(getattr(api, name))
         shown = ", ".join(["src, dst" if "src" in sig.parameters else ("a, b" if "a" in sig.parameters else "path"), "*"]
                           + [p.name + ("" if p.default is p.empty else f"={p.default!r}".replace("'", '"'))
                              for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY])
         assert f"`qconv.{name}({shown})`" in text, name
-    for cls in (qconv.InspectResult, qconv.ConvertResult, qconv.DequantizeResult, qconv.ValidateResult):
+    for cls in (qconv.InspectResult, qconv.ConvertResult, qconv.DequantizeResult, qconv.ValidateResult,
+                qconv.ModelCheckResult):
         (row,) = [line for line in text.splitlines() if line.startswith(f"| `{cls.__name__}` |")]
         documented = set(re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", row.split("|")[2])))
         assert documented == {f.name for f in dataclasses.fields(cls)} - {"data"}, cls.__name__

@@ -62,7 +62,9 @@ def test_validate_pairs_fused_experts_with_the_split_ones(tmp_path):
     proc = run_qconv("convert", "--json", "--validate", FUSED, tmp_path / "w8", "--to", "compressed-tensors-w8a8",
                      check=0)
     (comp,) = json.loads(proc.stdout)["components"]
-    assert comp["validation"] == {"ok": True, "layers": 36, "device": "cpu"}
+    assert {k: v for k, v in comp["validation"].items() if k != "output_errors"} == \
+        {"ok": True, "layers": 36, "device": "cpu"}
+    assert len(comp["validation"]["output_errors"]) == 36
     run_qconv("dequantize", FUSED, tmp_path / "fused", check=0)
     run_qconv("dequantize", PER_EXPERT, tmp_path / "per", check=0)
     report = json.loads(run_qconv("validate", "--json", tmp_path / "fused", tmp_path / "per", check=0).stdout)
