@@ -53,6 +53,7 @@ RUNNER = Path(__file__).with_name("runner.py")       # run in B's engine's Pytho
 TEXT_NAME = "the Declaration of Independence (1776; public domain), bundled"
 MIN_TOKENS = 64
 MAX_TOKENS = 512
+MAX_TEXT_BYTES = 1 << 20      # a --text larger than this is refused, not read whole
 ENGINES = ("auto", "transformers", "native")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model", "spiece.model")
 MEMORY = ("one side at a time: its float32 model in transformers (4 bytes a parameter) or B in its engine's "
@@ -137,9 +138,16 @@ def _text(text: str | Path | None) -> tuple[str, str]:
         return TEXT.read_text(encoding="utf-8"), TEXT_NAME
     path = Path(text)
     try:
-        return path.read_text(encoding="utf-8"), path.name
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TEXT_BYTES + 1)
+        if len(raw) > MAX_TEXT_BYTES:
+            raise UsageError(f"the text is over {MAX_TEXT_BYTES >> 10} KiB; the check reads at most {MAX_TOKENS} "
+                             f"tokens of it: give a shorter text", file=path)
+        return raw.decode("utf-8"), path.name
     except FileNotFoundError:
         raise UsageError("no such text file", file=path) from None
+    except IsADirectoryError:
+        raise UsageError("is a folder, not a text file", file=path) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read the text as UTF-8: {exc}", file=path) from None
 

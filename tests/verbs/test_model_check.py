@@ -104,6 +104,11 @@ def test_refusals_are_one_line(tmp_path):
     (other / "tokenizer.json").write_text(json.dumps(doc))
     one_error(run_qconv("validate", "--model", SOURCE, other), 5, str(other), "vocabulary is not A's")
 
+    huge = tmp_path / "huge.txt"
+    huge.write_text("When in the Course of human events. " * 30000)          # over 1 MiB: not read whole
+    with pytest.raises(qconv.UsageError, match="over 1024 KiB"):
+        qconv.check_model(SOURCE, SOURCE, text=huge)
+    huge.unlink()
     one_error(run_qconv("validate", "--model", "--tol", "0.1", SOURCE, SOURCE), 2, "--tol")
     one_error(run_qconv("validate", "--text", short, SOURCE, SOURCE), 2, "--text needs --model")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["no-tokenizer", "other-vocab", "short.txt"]
