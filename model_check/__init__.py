@@ -83,11 +83,12 @@ def check_model(a: str | Path, b: str | Path, *, text: str | Path | None = None,
             raise UsageError(f"the text tokenizes to {len(ids)} tokens with A's tokenizer; the model-level check "
                              f"needs at least {MIN_TOKENS}", file=text or TEXT)
         _same_vocabulary(tok_a, _tokenizer(cb, work / "tokenizer-b"), b)
-        runner, why = _engine_for(cb, engine, python or sys.executable)
+        python = python or sys.executable
+        runner, why = _engine_for(cb, engine, python)
         notes = [why] if why else []
         report_progress("model check", 0, 2, "models")
         if runner is not None:
-            logits_b, info = _run_engine(runner, b, ids, words, work / "engine", python or sys.executable)
+            logits_b, info = _run_engine(runner, b, ids, words, work / "engine", python)
             if info["tokens"] != plain:     # said, not refused: both sides are fed A's ids
                 at = next((i for i, (x, y) in enumerate(zip(info["tokens"], plain)) if x != y),
                           min(len(plain), len(info["tokens"])))

@@ -5,7 +5,7 @@ which that Python need not have): the family's runner script (formats/core/regis
     PYTHON runner.py SCRIPT MODEL WORKDIR
 
 Reads WORKDIR/request.json ({"ids", "text", "threads"}); writes WORKDIR/logits.npy (float32 [ids, n_vocab])
-and WORKDIR/result.json ({"n_vocab", "tokens": the engine's own tokenization of the text without special
+and WORKDIR/result.json ({"tokens": the engine's own tokenization of the text without special
 tokens, "version"}, or {"error": one line}). Exit 0 when it ran, 1 when the engine refused; a crash in the
 engine ends the process by a signal, which the caller tells apart from a refusal."""
 

@@ -161,7 +161,7 @@ class Engine:
     its runner: a script beside the family's __init__ (the engine, numpy and the standard library; never
     qconv, which that Python need not have) defining ``run(model, request) -> (result, logits)``: request
     {"ids": [...], "text": "...", "threads": N}; logits float32, one row of next-token logits per id; result
-    {"n_vocab", "tokens": the engine's own tokenization of the text without special tokens, "version"}; an
+    {"tokens": the engine's own tokenization of the text without special tokens, "version"}; an
     exception is the engine's refusal. model_check/runner.py loads it in the engine's Python."""
     name: str
     module: str

@@ -14,6 +14,6 @@ def run(model: str, request: dict) -> tuple[dict, object]:
     tokens = llm.tokenize(request["text"].encode("utf-8"), add_bos=False, special=False)
     llm.eval(ids)
     logits = np.array(llm.scores[:len(ids)], dtype=np.float32)
-    return {"n_vocab": int(llm.n_vocab()), "tokens": [int(t) for t in tokens],
+    return {"tokens": [int(t) for t in tokens],
             "version": f"llama-cpp-python {llama_cpp.__version__}"}, logits
 

@@ -18,6 +18,6 @@ def run(folder: str, request: dict) -> tuple[dict, object]:
                           model.parameters()))
     logits = np.array(model(mx.array([request["ids"]])).astype(mx.float32)[0])
     tokens = tokenizer.encode(request["text"], add_special_tokens=False)
-    return {"n_vocab": int(logits.shape[-1]), "tokens": [int(t) for t in tokens],
+    return {"tokens": [int(t) for t in tokens],
             "version": f"mlx-lm {importlib.metadata.version('mlx-lm')}, mlx {importlib.metadata.version('mlx')}"}, logits
 
