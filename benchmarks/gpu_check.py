@@ -115,8 +115,9 @@ def _count_kernels(result: dict, runs: dict) -> None:
 def device_cases():
     """(label, reference QuantTensor, the same with its codes in column-major order) for every quantized
     module of every reference checkpoint (the device path must not depend on the codes' memory order),
-    plus an nf4 layer whose code-book blocks straddle rows. A module read as its decoded weights (a
-    FloatWeight: mlx-lm's min / max biases) has no codes to decode on a device: its values travel."""
+    plus an nf4 layer whose code-book blocks straddle rows (mlx-lm's min / max biases: codes with float
+    offsets, decoded on the device as fl(fl(q * s) + b)). A module read as its decoded weights (a
+    FloatWeight: a GGUF Q6_K) has no codes to decode on a device: its values travel."""
     from dataclasses import replace
 
     import numpy as np

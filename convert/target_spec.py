@@ -58,8 +58,9 @@ def _target_spec(m: QuantModule, src: QuantSpec, opts: Options, comp: Component,
         scale_code = "F16" if "F16" in caps.scale_dtypes else sorted(caps.scale_dtypes)[0]
     else:
         scale_code = src.scale_dtype
+    offset = "float" if reason is None and getattr(src, "offset", None) else None
     spec = QuantSpec("int", bits, -1 if group <= 0 else group, sym, scale_dtype=scale_code,
-                     zero_encoding=tgt.zero_encoding)
+                     zero_encoding=tgt.zero_encoding, offset=offset)
     _check_leaves(tgt, spec, m, inp, opts, where)
     return spec, reason
 
@@ -102,6 +103,9 @@ def _negotiate(m: QuantModule, src, opts: Options, where, caps) -> tuple[int, in
     codebook = src.scheme != "int"
     inp = m.in_features
     bits = opts.get("bits") or (src.bits if src.scheme in ("int", "float") else 4)
+    offsets_lost = bool(getattr(src, "offset", None)) and not (caps is not None and caps.float_offsets)
+    if offsets_lost and not opts.get("bits") and bits > 4:
+        bits = 8                                # requantized: 5- to 8-bit offsets to 8 bits (GGUF's K-quant rule)
     if caps is not None and bits not in caps.bits:
         if opts.get("bits") or caps.fallback_bits is None:
             raise UsageError(f"{opts.to} stores {', '.join(map(str, sorted(caps.bits)))}-bit codes, not "
@@ -153,6 +157,9 @@ def _negotiate(m: QuantModule, src, opts: Options, where, caps) -> tuple[int, in
         reason = src.requantized()
     elif codebook:
         reason = f"{src.name} codes are not integers"
+    elif offsets_lost:
+        reason = "float offsets (w = s * q + b) are not integer zero points" + (
+            f"; {src.bits}-bit codes become {bits}-bit" if bits != src.bits else "")
     elif bits != src.bits:
         reason = f"{src.bits}-bit codes become {bits}-bit"
     elif group != src.group_size and not (group <= 0 and src.group_size <= 0) and not tiled:

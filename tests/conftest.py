@@ -435,3 +435,51 @@ def pytest_sessionfinish(session, exitstatus):
             f"tests changed fixtures/ (tests must write under tmp_path, never beside the fixtures): {shown}",
             red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# A llama GGUF of the fixtures' shape (llama-fp16: 4 query, 2 key-value heads) decoded by llama.cpp's own
+# decoder, gguf-py (tests/formats/gguf/test_gguf_offsets.py, tests/consumers/test_mlx.py)
+GGUF_HEADS = {"attn_q": 4, "attn_k": 2}          # llama-fp16's query and key-value heads
+GGUF_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def gguf_hf_name(name):
+    """blk.N.<kind>.weight -> model.layers.N.<module>, output.weight -> lm_head (None: not a Linear)."""
+    if name == "output.weight":
+        return "lm_head"
+    parts = name.split(".")
+    if parts[0] != "blk" or parts[2] not in GGUF_HF:
+        return None
+    return f"model.layers.{parts[1]}.{GGUF_HF[parts[2]]}"
+
+
+def gguf_hf_rows(name, w):
+    """llama's q / k rows back in Hugging Face order (the rotary permutation undone)."""
+    heads = GGUF_HEADS.get(name.split(".")[2]) if name.startswith("blk.") else None
+    if heads is None:
+        return w
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama_cpp_decoding(path):
+    """{module: (ggml type, float32 weight in Hugging Face row order)}: llama.cpp's own decoder (gguf-py)."""
+    import gguf
+    import numpy as np
+
+    out = {}
+    for t in gguf.GGUFReader(path).tensors:
+        module = gguf_hf_name(t.name)
+        if module is not None:
+            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(t.shape[::-1].tolist())
+            out[module] = (t.tensor_type.name, gguf_hf_rows(t.name, w))
+    return out
+
+
+def gguf_tensors(path):
+    """{tensor: (ggml type, its bytes)} of a GGUF file, as gguf-py reads it."""
+    import gguf
+    import numpy as np
+
+    return {t.name: (t.tensor_type, np.asarray(t.data).view(np.uint8).tobytes()) for t in gguf.GGUFReader(path).tensors}

@@ -55,6 +55,12 @@ def settle_by_codes(qa: QuantTensor | None, qb: QuantTensor | None, w_rel: float
         return None
     if qa.scales.shape != qb.scales.shape:
         return None
+    if (qa.biases is None) != (qb.biases is None):   # float offsets on one side only: the floats decide
+        return None
+    if qa.biases is not None:                       # float offsets: identical codes, scales and biases only
+        same = all(np.array_equal(getattr(qa, k), getattr(qb, k)) for k in ("codes", "scales", "biases")) \
+            and qa.spec.group_size == qb.spec.group_size and (qa.g_idx is None) == (qb.g_idx is None)
+        return "identical" if same and (qa.g_idx is None or np.array_equal(qa.g_idx, qb.g_idx)) else None
     if qa.spec.scheme == "int":
         if qa.zeros.shape != qb.zeros.shape or not np.array_equal(qa.zeros, qb.zeros):
             return None

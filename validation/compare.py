@@ -80,7 +80,7 @@ def _factored_outputs(qa: QuantTensor, qb: QuantTensor, r0: int, r1: int, XT):
     (Q - Z) exact in float32 and multiplied once for both sides, so one product serves two and the
     difference carries no cancellation of two independent products. None where the groups are not
     contiguous (act-order) or the codes are a code book: the caller multiplies each side."""
-    if qa.spec.scheme != "int" or qa.g_idx is not None:
+    if qa.spec.scheme != "int" or qa.g_idx is not None or qa.biases is not None or qb.biases is not None:
         return None
     inp, rows, n = XT.shape[0], r1 - r0, XT.shape[1]
     v = qa.codes[r0:r1].astype(np.float32)

@@ -34,6 +34,16 @@ def dequantize_block(qt: QuantTensor, r0: int, r1: int, device):
             c = dev(codes)
         else:                           # a transposed view: transposed on the device
             c = dev(codes.T).T.contiguous()
+        if qt.biases is not None:                   # float offsets: fl(fl(q * s) + b)
+            w = c.to(torch.float32)
+            s, b = dev(qt.scales[r0:r1]).to(torch.float32), dev(qt.biases[r0:r1]).to(torch.float32)
+            if qt.g_idx is None and qt.spec.group_size > 0 and s.shape[1] * qt.spec.group_size == inp:
+                w3 = w.view(rows, s.shape[1], qt.spec.group_size)
+                w3.mul_(s[:, :, None]).add_(b[:, :, None])
+            else:
+                g = dev(qt.groups.astype(np.int64))
+                w.mul_(s[:, g]).add_(b[:, g])
+            return _product_rounded(qt, w)
         if qt.spec.scheme == "int":
             w = c.to(torch.float32)
             z = dev(qt.zeros[r0:r1]).to(torch.float32)

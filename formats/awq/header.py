@@ -112,14 +112,14 @@ def parse_config(qc: Mapping | None) -> dict:
         zero_point = qc.get("zero_point", True)       # AutoAWQ / transformers default
         names = {k: _lower(qc[k]) for k in ("version", "format", "checkpoint_format") if qc.get(k) is not None}
         if len(set(names.values())) > 1:
-            problems.append("config names different AWQ layouts: " +
+            problems.append("config.json names different AWQ layouts: " +
                             ", ".join(f"{k}={v!r}" for k, v in names.items()))
         # transformers' AwqConfig: version (legacy) wins over format; AutoAWQ reads version only.
         layout = names.get("version", names.get("format", names.get("checkpoint_format", LAYOUT)))
         if layout != LAYOUT:
             what = OTHER_LAYOUTS.get(layout, "not a layout qconv knows")
-            unsupported.append(f"AWQ version/format {layout!r} ({what}); qconv decodes only the "
-                               f"{LAYOUT!r} layout")
+            unsupported.append(f"config.json's AWQ version/format {layout!r} ({what}); qconv decodes only "
+                               f"the {LAYOUT!r} layout")
     if not isinstance(zero_point, bool):
         problems.append(f"zero_point is {zero_point!r}, expected true or false")
         zero_point = bool(zero_point)

@@ -10,6 +10,16 @@ points (never GPTQ v1's stored z - 1), g_idx = i // group_size unless act-order 
 group_size -1 meaning one group per output row. bitsandbytes keeps the row absmax (SCB) as its scale
 with scale_divisor 127, so ``(CB * SCB) * float32(1/127)`` is reproduced in bitsandbytes' own order.
 
+Float offsets (``spec.offset == "float"``: MLX's affine mode, GGUF's Q4_1 / Q5_1 and Q4_K / Q5_K), codes
+[out, in] unsigned, no zero points::
+
+    w[o, i] = fl(fl(codes[o, i] * scales[o, g]) + biases[o, g])
+
+in float32, MLX's and ggml's own order (a K-quant's ``d*sc*q - dmin*m`` is this with biases = -(dmin*m):
+the negation is exact). Where every bias is -s * z for an integer z and s * q is exact, the two forms are
+the same numbers and readers prefer zero points (every integer target keeps those); a module is otherwise
+kept in this form by the targets that store it (Caps.float_offsets) and requantized by the others.
+
 Code-book schemes (bitsandbytes nf4 / fp4), over the row-major flattened weight::
 
     w.flat[j] = codebook[codes[j]] * absmax[j // blocksize]
@@ -83,12 +93,16 @@ class QuantSpec:
     storage: str | None = None           # bitsandbytes 4-bit quant storage dtype code ("U8", "BF16", ...)
     block_rows: int = 1                  # rows sharing one scale (a 2-D block; 0: every row, per tensor)
     global_scale: str | None = None      # two-level scales (NVFP4): "divisor" | "multiplier" (None: one level)
+    offset: str | None = None            # "float": w = s * q + b with float biases (QuantTensor.biases), no
+                                         # zero points; None: integer zero points (or none)
 
     def __post_init__(self):
         if self.scheme not in ("int",) + FLAT_SCHEMES + ROW_SCHEMES:
             raise ValueError(f"unknown scheme {self.scheme!r}")
         if self.scheme != "int" and (self.codebook is None or len(self.codebook) != 1 << self.bits):
             raise ValueError(f"{self.scheme} needs a codebook of {1 << self.bits} values")
+        if self.offset not in (None, "float") or (self.offset and (self.scheme != "int" or self.scale_divisor != 1)):
+            raise ValueError(f"offset {self.offset!r}: float offsets are for integer codes without a divisor")
 
     @property
     def name(self) -> str:
@@ -135,6 +149,7 @@ class QuantTensor:
     input_scale: np.float32 | None = None    # a static per-tensor activation scale a target stores beside
                                              # the weight (ModelOpt NVFP4's input_scale, a multiplier), set by
                                              # its retarget; never read by dequantization. None: none stored
+    biases: np.ndarray | None = None         # spec.offset "float": float32 [out, G], w = fl(fl(q * s) + b)
 
     def __post_init__(self):
         if self.product_dtype not in PRODUCT_DTYPES:
@@ -157,6 +172,8 @@ class QuantTensor:
         if rows <= 0 or inp == 0:                   # a zero-size weight (its group size may be unknown)
             return np.zeros((max(rows, 0), inp), np.float32)
         if not self.spec.flat:
+            if self.biases is not None:
+                return self._offset_rows(r0, r1)
             if self.spec.scheme == "int":
                 w = self.codes[r0:r1].astype(np.float32)        # q - z is exact in float32
                 z = self.zeros[r0:r1].astype(np.float32)
@@ -193,6 +210,25 @@ class QuantTensor:
         w = w.reshape(rows, inp)
         return w if self.product_dtype is None else round_to_bfloat16(w)
 
+    def _offset_rows(self, r0: int, r1: int) -> np.ndarray:
+        """Float offsets: fl(fl(q * s) + b), in float32, group by group."""
+        w = self.codes[r0:r1].astype(np.float32)
+        s, b = self.scales[r0:r1], self.biases[r0:r1]
+        rows, inp = w.shape
+        n_groups, gs = s.shape[1], self.spec.group_size
+        if n_groups == 1:
+            w *= s
+            w += b
+        elif self.g_idx is None and gs > 0 and n_groups * gs == inp:
+            w3 = w.reshape(rows, n_groups, gs)
+            w3 *= s[:, :, None]
+            w3 += b[:, :, None]
+        else:
+            g = self.groups
+            w *= s[:, g]
+            w += b[:, g]
+        return w if self.product_dtype is None else round_to_bfloat16(w)
+
     def slab_rows(self, target_elements: int = 1 << 20) -> int:
         """Rows per slab near target_elements; for code books, whole blocks per slab."""
         inp = max(self.shape[1], 1)
@@ -222,14 +258,15 @@ def stack_rows(parts: list[QuantTensor]) -> QuantTensor:
     cat = (lambda name: None if getattr(first, name) is None
            else np.concatenate([getattr(p, name) for p in parts], axis=0))
     return replace(first, shape=(sum(p.shape[0] for p in parts), first.shape[1]), codes=cat("codes"),
-                   scales=cat("scales"), zeros=cat("zeros"), group_scales=cat("group_scales"))
+                   scales=cat("scales"), zeros=cat("zeros"), group_scales=cat("group_scales"),
+                   biases=cat("biases"))
 
 
 @dataclass(frozen=True)
 class FloatSpec:
     """What stands in for a QuantSpec where a module's codes cannot be kept because there are none to
     keep: an unquantized float weight (quantized data-free), or a stored type the canonical representation
-    has no exact form for (a GGUF K-quant, IQ or Q4_1 / Q5_1 block tensor: ``origin``), whose exact float
+    has no exact form for (a GGUF Q2_K / Q3_K / Q6_K or IQ block tensor: ``origin``), whose exact float
     weights are requantized. The target spec rules read only its scheme, name, bits and group size."""
     name: str                        # "float16", "bfloat16", "float32"; or the stored type ("Q4_K")
     scheme: str = "float"
@@ -301,14 +338,18 @@ def nonfinite_weight(t, dtype: str = "float32") -> tuple[int, int, float] | None
                                             np.minimum(((bad + 1) * t.spec.group_size - 1) // inp, rows - 1)]))
     else:
         s = np.abs(np.asarray(t.scales, np.float64))
-        if t.spec.scheme == "int":
+        offset = 0.0
+        if t.spec.scheme == "int" and t.biases is not None:     # |q s + b| <= qmax |s| + |b|
+            magnitude = float((1 << t.spec.bits) - 1)
+            offset = np.abs(np.asarray(t.biases, np.float64))
+        elif t.spec.scheme == "int":
             qmax = (1 << t.spec.bits) - 1
             z = np.asarray(t.zeros, np.float64) if t.zeros is not None else np.zeros_like(s)
             magnitude = np.maximum(z, qmax - z)
         else:
             magnitude = float(np.nanmax(np.abs(np.asarray(t.spec.codebook, np.float64))))
         with np.errstate(over="ignore", invalid="ignore"):
-            bound = magnitude * s / t.spec.scale_divisor
+            bound = magnitude * s / t.spec.scale_divisor + offset
         suspect = np.nonzero(~(bound <= limit).all(axis=1))[0] if bound.size else np.zeros(0, np.int64)
     if suspect.size == 0:
         return None

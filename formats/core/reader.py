@@ -189,7 +189,8 @@ def _strided_rows(qt: QuantTensor, step: int) -> QuantTensor:
         raise AssertionError("interleaved rows of a flat code book")
     pick = (lambda a: None if a is None else a[::step])
     return replace(qt, shape=((qt.shape[0] + step - 1) // step, qt.shape[1]), codes=pick(qt.codes),
-                   scales=pick(qt.scales), zeros=pick(qt.zeros), group_scales=pick(qt.group_scales))
+                   scales=pick(qt.scales), zeros=pick(qt.zeros), group_scales=pick(qt.group_scales),
+                   biases=pick(qt.biases))
 
 
 def transposed_rows(qt, c0: int, c1: int):
@@ -205,7 +206,7 @@ def transposed_rows(qt, c0: int, c1: int):
     spec, rows = qt.spec, qt.shape[0]
     block = spec.block_rows
     if spec.flat or block <= 0 or block != spec.group_size or qt.zeros is not None or qt.g_idx is not None \
-            or qt.group_scales is not None:
+            or qt.group_scales is not None or qt.biases is not None:
         raise AssertionError(f"{spec.name} codes in {block} x {spec.group_size} blocks do not transpose")
     blocks = qt.scales[::block]                          # [ceil(rows / B), ceil(cols / B)], one per block
     scales = np.ascontiguousarray(blocks.T[np.arange(c0, c1) // block])

@@ -263,6 +263,7 @@ class Caps:
     fused_experts: bool = False      # holds fused 3-D MoE experts (QuantModule.experts) as they are
     tiles_rows: bool = False         # without per_row: a one-group-per-row source keeps its codes, its scale
                                      # and zero point repeated in every group (its retarget tiles them)
+    float_offsets: bool = False      # holds float offsets w = s * q + b (QuantSpec.offset "float") as they are
     group_sizes: frozenset | None = None  # the only group sizes it stores (None: any that divides in);
                                      # another is requantized to the first of 128, 64, 32 that divides in
 

@@ -187,6 +187,7 @@ def source_spec(comp, det: Detection, m: QuantModule, src_dtype: str) -> QuantSp
         return QuantSpec(m.scheme, bits, m.group_size or -1, True, codebook=book,
                          scale_dtype=m.details.get("scales_dtype") or "F32", block_rows=m.details.get("block_rows", 1),
                          global_scale=m.details.get("global_scale"))
-    sym = registered_family(m.family).symmetric(m, det.qc)
+    offset = m.details.get("offset")            # float offsets w = s * q + b (GGUF's Q4_1, K-quants): no zero points
+    sym = False if offset else registered_family(m.family).symmetric(m, det.qc)
     group = -1 if m.details.get("groups") == 1 else (m.group_size or -1)
-    return QuantSpec("int", m.bits, group, sym, scale_dtype=m.details.get("scales_dtype") or "F16")
+    return QuantSpec("int", m.bits, group, sym, scale_dtype=m.details.get("scales_dtype") or "F16", offset=offset)

@@ -1,6 +1,6 @@
 """llama.cpp's GGUF: one file (or a split set) holding metadata and block-typed tensors. Its declarations:
-the gguf family (a GGUF opened as a source: Q8_0 / Q4_0 / Q5_0 / MXFP4 block tensors; a permuted llama
-q / k read whole, codec.row_step) and dialect, the storage container that opens a GGUF file (and inspect's
+the gguf family (a GGUF opened as a source: Q8_0 / Q4_0 / Q5_0 / MXFP4 block tensors, Q4_1 / Q5_1 / Q4_K /
+Q5_K as codes with float offsets; a permuted llama q / k read whole, codec.row_step) and dialect, the storage container that opens a GGUF file (and inspect's
 header-only report of it), and `--to gguf`, its writer."""
 
 from ..core.registry import Dialect, Engine, Family, FileTarget, lazy
@@ -9,8 +9,9 @@ from . import header as gguf
 
 
 class Gguf(Family):
-    """A GGUF opened as a source: Q8_0 / Q4_0 / Q5_0 / MXFP4 block tensors (K-quants decoded to float); a
-    permuted llama q / k is read whole (codec.row_step)."""
+    """A GGUF opened as a source: Q8_0 / Q4_0 / Q5_0 / MXFP4 block tensors, Q4_1 / Q5_1 / Q4_K / Q5_K codes with
+    float offsets (the other K-quants and IQ types decoded to float); a permuted llama q / k is read whole
+    (codec.row_step)."""
     name = "gguf"
     method = "GGUF"
     config_methods = frozenset({"gguf"})

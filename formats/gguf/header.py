@@ -582,15 +582,18 @@ def count(value) -> int | None:
 # ---------------------------------------------------------------------------------------------
 # The "gguf" family (formats/core/registry.py): modules of a GGUF opened as a source (source.py)
 
-# block types qconv's canonical representation holds exactly: (scheme, bits); the others (K-quants, IQ
-# types, Q4_1 / Q5_1: sub-block scales, float minimums) are read as their exact float weights, decoded by
-# gguf-py (codec.read), which convert requantizes with the error reported (a FloatSpec, formats/core/ir.py)
-EXACT_TYPES = {"Q8_0": ("int8", 8), "Q4_0": ("int4", 4), "Q5_0": ("int5", 5), "MXFP4": ("e2m1", 4)}
+# block types qconv's canonical representation holds exactly: (scheme, bits); Q4_1 / Q5_1 / Q4_K / Q5_K as
+# codes with float offsets in groups of 32 (OFFSET_TYPES); the others (Q2_K / Q3_K / Q6_K: 16-weight
+# sub-blocks; IQ types) are read as their exact float weights, decoded by gguf-py (codec.read), which convert
+# requantizes with the error reported (a FloatSpec, formats/core/ir.py)
+EXACT_TYPES = {"Q8_0": ("int8", 8), "Q4_0": ("int4", 4), "Q5_0": ("int5", 5), "MXFP4": ("e2m1", 4),
+               "Q4_1": ("int4", 4), "Q5_1": ("int5", 5), "Q4_K": ("int4", 4), "Q5_K": ("int5", 5)}
+OFFSET_TYPES = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
 
 
 def float_spec(type_name: str, type_id: int) -> dict:
     """The FloatSpec fields of a block type qconv keeps no codes of: requantized by default to 4 bits
-    below 5.5 bits a weight (Q4_K, Q4_1, Q3_K, IQ4_XS, ...), else to 8 (Q5_K, Q5_1, Q6_K), in groups of 32
+    below 5.5 bits a weight (Q3_K, Q2_K, IQ4_XS, ...), else to 8 (Q6_K), in groups of 32
     (ggml's blocks and K-quants' sub-blocks); --bits / --group-size override both."""
     return {"name": type_name, "origin": f"GGUF {type_name}", "group_size": 32,
             "bits": 4 if bits_per_weight(type_id) < 5.5 else 8}
@@ -613,13 +616,17 @@ def find_modules(tensors: Mapping, qc: Mapping | None) -> list:
         tid, (_, block, size) = entry
         rows, row_bytes = info.shape
         scheme, bits = EXACT_TYPES.get(type_name, (type_name.lower(), 0))
-        details = {"ggml_type": type_name, "scales_dtype": "U8" if type_name == "MXFP4" else "F16"}
+        details = {"ggml_type": type_name,
+                   "scales_dtype": "U8" if type_name == "MXFP4" else "F32" if type_name.endswith("_K") else "F16"}
         if type_name not in EXACT_TYPES:
             details["float_spec"] = float_spec(type_name, tid)
+        group = block
+        if type_name in OFFSET_TYPES:               # float minimums, one per 32 weights (a K-quant's sub-block)
+            details["offset"], group = "float", 32
         if name in order:
             details["heads"] = int(order[name])
         out.append(QuantModule(name[: -len(".weight")], "gguf", scheme, bits, rows, row_bytes // size * block,
-                               (name,), (), group_size=block, details=details))
+                               (name,), (), group_size=group, details=details))
     return out
 
 

@@ -92,7 +92,7 @@ def _natural_type(comp, det, m: QuantModule, opts: Options, src_dtype: str) -> t
     """(GGUF type, reason its codes are not kept) of one module (codec.gguf_type, then --bits)."""
     where = comp.tensors[m.weight_tensors[0]].file if m.weight_tensors else comp.path
     src_spec = source_spec(comp, det, m, src_dtype)
-    if _own_blocks(m, opts):                          # a GGUF source's K-quant / IQ / Q4_1 ...: copied as it is
+    if _own_blocks(m, opts):                          # a GGUF source's K-quant / IQ type: copied as it is
         return m.details["ggml_type"], None
     if src_spec.scheme == "float":
         if m.in_features % codec.QK:
@@ -179,10 +179,11 @@ def _refuse_unrepresentable(qt, err, type_name: str, tensor: str, file) -> None:
 
 
 def _own_blocks(m: QuantModule, opts: Options) -> bool:
-    """A GGUF source's block tensor of a type qconv keeps no codes of (header.float_spec), which GGUF ->
-    GGUF copies byte for byte (its rows are already in llama.cpp's order), unless --bits or --gguf-float
-    asks for another type."""
-    return m.family == "gguf" and "float_spec" in m.details and opts.bits is None and not opts.gguf_float
+    """A GGUF source's block tensor of a type qconv does not write (K-quants, IQ types), which GGUF -> GGUF
+    copies byte for byte (its rows are already in llama.cpp's order), unless --bits or --gguf-float asks
+    for another type."""
+    return m.family == "gguf" and m.details["ggml_type"] not in codec.TYPES and opts.bits is None \
+        and not opts.gguf_float
 
 
 def _raw_out(info, name: str, type_name: str, source: str, tally: Tally | None) -> _Out:

@@ -38,14 +38,14 @@ class MlxDialect(Dialect):
 
 
 class MlxTarget(Target):
-    """Integer codes kept with b = -s * z, scales and biases in a dtype that holds them exactly (plan), groups
-    of 32 / 64 / 128, mlx-lm's config keys (model_config) and stacked experts (arrange)."""
+    """Integer codes kept with b = -s * z, float offsets (mlx-lm's min / max biases, GGUF Q4_1 / Q4_K ...) kept
+    as they are, scales and biases in a dtype that holds them exactly (plan), groups of 32 / 64 / 128, mlx-lm's config keys (model_config) and stacked experts (arrange)."""
     name = "mlx"
     family = "mlx"
     hub_library = "mlx"
     hub_tags = ("mlx",)
     caps = Caps(frozenset(mlx.BITS) - {1}, per_row=False, tiles_rows=True, fallback_bits=8, divisor_scale="F16",
-                group_sizes=frozenset(mlx.GROUPS))
+                float_offsets=True, group_sizes=frozenset(mlx.GROUPS))
     codec = "mlx.codec"
 
     def leaves(self, spec, shape, g_idx, **settings):

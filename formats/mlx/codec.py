@@ -5,11 +5,11 @@ every group has ``b == -s * z`` exactly for an integer ``z`` in [0, 2^bits) (wha
 AWQ, bitsandbytes int8 and GGUF codes, and what a symmetric quantizer makes), and whose scales times any
 code are exact in float32, is read as integer codes with those zero points: ``fl(fl(s*q) + b)``, MLX's
 float32 arithmetic, is then ``fl(s * (q - z))`` bit for bit, and its codes can be kept by every integer
-target. Any other module (``mx.quantize``'s min/max biases) is read as its decoded weights in MLX's own
-float32 arithmetic (a FloatWeight): every target but none of its codes can be kept by requantizes it,
-with the error reported.
+target. Any other module (``mx.quantize``'s min/max biases) is read as integer codes with float offsets
+(``QuantSpec.offset == "float"``, formats/core/ir.py): its codes, scales and biases as stored, which MLX
+keeps byte for byte and GGUF's Q4_1 / Q5_1 hold; the other targets requantize it, with the error reported.
 
-Writing (``--to mlx``). Codes, scales and zero points kept; ``b = -s * z``. The scales and biases are
+Writing (``--to mlx``). Codes, scales and zero points kept; ``b = -s * z`` (float offsets: b as it is). The scales and biases are
 stored in the model's 16-bit dtype (else the source scales') where both are exactly values of it, else in
 float32, so that the written module decodes to the source's weights (plan); ``--scale-dtype`` forces one
 dtype, and what it rounds is reported as scale rounding.
@@ -23,7 +23,7 @@ from typing import Mapping
 import numpy as np
 
 from ...errors import CorruptCheckpoint, NotStorable
-from ..core.ir import FloatSpec, FloatWeight, QuantSpec, QuantTensor
+from ..core.ir import QuantSpec, QuantTensor
 from ..core.layout import QuantModule
 from ..core.minifloat import E2M1_BOOK, e8m0
 from ..storage.safetensors_header import TensorInfo
@@ -129,31 +129,26 @@ def integral(m: QuantModule, tensors: Mapping[str, TensorInfo]) -> bool:
     return _DECIDED[key]
 
 
-def _float_spec(m: QuantModule) -> FloatSpec:
-    return FloatSpec(f"MLX affine int{m.bits}", group_size=m.group_size, bits=m.bits, symmetric=False,
-                     origin=f"MLX affine {m.bits}-bit (biases that are not integer zero points)")
-
-
 def source_spec(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None):
     """The module's spec, from its scales and biases (not its codes): integer codes with zero points
-    where every group has one (zero_points), else its decoded weights (a FloatSpec); None for mode mxfp4
-    (an e2m1 module: convert's rule for code books)."""
+    where every group has one (zero_points), else integer codes with float offsets (mlx-lm's min / max
+    biases); None for mode mxfp4 (an e2m1 module: convert's rule for code books)."""
     if m.scheme == "e2m1":
         return None
     view = m.details.get("rows_of")
     parent, first = view if view is not None else (m, 0)
+    code = tensors[f"{parent.name}.scales"].dtype
     if not integral(parent, tensors):
-        return _float_spec(m)
+        return QuantSpec("int", m.bits, m.group_size, False, scale_dtype=code, offset="float")
     s, b = _scales_biases(parent, tensors, first, first + m.out_features)
     z = zero_points(s, b, m.bits)
-    return QuantSpec("int", m.bits, m.group_size, bool((z == 1 << (m.bits - 1)).all()),
-                     scale_dtype=tensors[f"{parent.name}.scales"].dtype)
+    return QuantSpec("int", m.bits, m.group_size, bool((z == 1 << (m.bits - 1)).all()), scale_dtype=code)
 
 
 def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, dtype: str,
          rows: tuple[int, int] | None = None):
-    """Output rows r0:r1 (all: None) as a QuantTensor with integer zero points, or, where a group has
-    none, as MLX's float32 decoding (a FloatWeight)."""
+    """Output rows r0:r1 (all: None) as a QuantTensor: integer zero points where every group of the module
+    has one, else the float offsets as stored (w = fl(fl(s * q) + b), MLX's float32 arithmetic)."""
     check(m, tensors, qc)
     weight = tensors[m.name + ".weight"]
     r0, r1 = rows or (0, m.out_features)
@@ -167,13 +162,14 @@ def read(m: QuantModule, tensors: Mapping[str, TensorInfo], qc: Mapping | None, 
         return QuantTensor(spec, (r1 - r0, m.in_features), dtype, codes=codes,
                            scales=e8m0(read_array(_flat(info), rows=(r0, r1))))
     s, b = _scales_biases(m, tensors, r0, r1)
+    code = tensors[m.name + ".scales"].dtype
     z = zero_points(s, b, m.bits) if integral(m, tensors) else None
     if z is None:
-        with np.errstate(over="ignore", invalid="ignore"):
-            values = decode(codes, s, b, m.group_size)
-        return FloatWeight(_float_spec(m), (r1 - r0, m.in_features), dtype, values)
+        spec = QuantSpec("int", m.bits, m.group_size, False, scale_dtype=code, offset="float")
+        return QuantTensor(spec, (r1 - r0, m.in_features), dtype, codes=codes, scales=np.ascontiguousarray(s),
+                           biases=np.ascontiguousarray(b))
     sym = bool((z == 1 << (m.bits - 1)).all())
-    spec = QuantSpec("int", m.bits, m.group_size, sym, scale_dtype=tensors[m.name + ".scales"].dtype)
+    spec = QuantSpec("int", m.bits, m.group_size, sym, scale_dtype=code)
     return QuantTensor(spec, (r1 - r0, m.in_features), dtype, codes=codes, scales=np.ascontiguousarray(s), zeros=z)
 
 
@@ -228,6 +224,13 @@ def retarget(qt: QuantTensor, spec: QuantSpec, settings: Mapping):
     if spec.scheme == "e2m1":                   # mode mxfp4: codes and power-of-two scales kept
         return replace(qt, spec=spec, product_dtype=None), None
     code = settings.get("scale_dtype") or spec.scale_dtype
+    if qt.biases is not None:                   # float offsets: scales and biases as they are, stored in code
+        if qt.scales.shape[1] * spec.group_size != qt.shape[1]:     # a group size MLX does not store (fit)
+            raise NotStorable(f"float offsets in groups of {qt.spec.group_size}, not {spec.group_size}")
+        exact_s, exact_b = qt.scales.astype(np.float64), qt.biases.astype(np.float64)
+        s, b = _stored(exact_s, code), _stored(exact_b, code)
+        out = replace(qt, spec=replace(spec, scale_dtype=code, offset="float"), scales=s, biases=b)
+        return out, (np.concatenate([exact_s.ravel(), exact_b.ravel()]), np.concatenate([s.ravel(), b.ravel()]))
     if qt.scales.shape[1] == 1 and spec.group_size > 0 and qt.shape[1] > spec.group_size:
         groups = qt.shape[1] // spec.group_size     # one scale per row (bnb int8, per-channel): one per group
         qt = replace(qt, scales=np.repeat(qt.scales, groups, axis=1),
@@ -250,7 +253,8 @@ def encode_for(target: str, qt: QuantTensor, spec: QuantSpec, g_idx: bool) -> di
             raise NotStorable("scales that are not powers of two from 2^-127 to 2^127 (e8m0)")
         return {"weight": ("U32", pack(qt.codes, 4)), "scales": ("U8", (exponent + 126).astype(np.uint8))}
     code = qt.spec.scale_dtype
-    biases = encode_float(_biases(qt.scales, qt.zeros, qt.spec.bits).astype(np.float32), code)
+    offsets = qt.biases if qt.biases is not None else _biases(qt.scales, qt.zeros, qt.spec.bits)
+    biases = encode_float(np.asarray(offsets, np.float64).astype(np.float32), code)
     if not all_finite(biases, code):
         raise NotStorable(f"biases -s * z beyond {FLOAT_NAMES[code]}'s range")
     return {"weight": ("U32", pack(qt.codes, qt.spec.bits)), "scales": (code, encode_float(qt.scales, code)),

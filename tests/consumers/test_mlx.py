@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import CHECKPOINTS, REPO, compare_logprobs, requantize_gguf, run_qconv
+from conftest import CHECKPOINTS, REPO, compare_logprobs, llama_cpp_decoding, requantize_gguf, run_qconv
 
 MLX_PYTHON = REPO / ".venv-mlx" / "bin" / "python"
 SCRIPT = REPO / "tests" / "consumers" / "mlx_run.py"
@@ -35,8 +35,9 @@ IDS = [1, 5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37]
 TOLERANCE = 1e-4
 
 # (case, source: a fixture, "gguf:<fixture>:<gguf-py type>" for a GGUF whose blocks gguf-py's quantizer
-# wrote from qconv's float GGUF of the fixture, or "qconv-gguf:<fixture>" for qconv's GGUF of it, extra
-# convert arguments, whether every code is kept)
+# wrote from qconv's float GGUF of the fixture, "qconv-gguf:<fixture>" for qconv's GGUF of it, or
+# "file:<path>" for a file in the repository (llama.cpp's own K-quants), extra convert arguments, whether
+# every code is kept)
 CASES = [
     ("gptq-w4g64-asym", "llama-gptq-w4g64-asym", (), True),
     ("gptq-w8g128", "llama-gptq-w8g128", (), True),
@@ -53,19 +54,25 @@ CASES = [
     ("gguf-q8_0", "gguf:llama-fp16:Q8_0", (), True),
     ("gguf-q4_0", "gguf:llama-fp16:Q4_0", (), True),
     ("gguf-q5_0", "gguf:llama-fp16:Q5_0", (), True),
+    ("gguf-q4_1-float-offsets", "gguf:llama-fp16:Q4_1", (), True),
+    ("gguf-q5_1-float-offsets", "gguf:llama-fp16:Q5_1", (), True),
+    ("llama.cpp-q4_k_m", "file:fixtures/gguf/llama-fp16-Q4_K_M.gguf", (), False),    # its Q6_K requantized
+    ("llama.cpp-q5_k_m", "file:fixtures/gguf/llama-fp16-Q5_K_M.gguf", (), False),
     ("ct-mxfp4-mode-mxfp4", "llama-ct-mxfp4", (), True),
     ("gguf-mxfp4-mode-mxfp4", "qconv-gguf:llama-ct-mxfp4", (), True),
     ("gptq-actorder-requantized", "llama-gptq-w4g128-actorder", (), False),
     ("fp16-data-free", "llama-fp16", (), False),
     ("fp16-data-free-asym-3bit-g32", "llama-fp16", ("--bits", "3", "--group-size", "32", "--asym"), False),
     ("qwen3moe-fp8-stacked-experts", "qwen3moe-fp8-block", (), False),
-    ("mlx-lm-mixed-requantized", "llama-mlx-mixed36", (), False),
+    ("mlx-lm-mixed36-kept", "llama-mlx-mixed36", (), True),
 ]
 
 
 def source(src, tmp):
     """The fixture, or a GGUF made from it: qconv's float GGUF, its block weights quantized by gguf-py
     ("gguf:"), or qconv's GGUF of it, its codes kept ("qconv-gguf:")."""
+    if src.startswith("file:"):
+        return REPO / src[5:]
     if src.startswith("qconv-gguf:"):
         path = tmp / f"{src[11:]}.gguf"
         if not path.exists():
@@ -173,6 +180,71 @@ def test_kept_codes_decode_in_mlx_as_in_the_source(report, case, src):
         return
     for name, w in want.items():
         assert same(got[name], w), name
+
+
+@pytest.mark.parametrize("case", ["llama.cpp-q4_k_m", "llama.cpp-q5_k_m"])
+def test_llama_cpps_k_quants_decode_in_mlx_as_llama_cpp_decodes_them(report, case):
+    """llama.cpp's own Q4_K_M / Q5_K_M files -> MLX: mx.dequantize of every Q4_K / Q5_K module (float32
+    scales d * sc and biases -dmin * m, groups of 32) is llama.cpp's own decoding of the source blocks
+    (gguf-py's quants.dequantize, rows in Hugging Face order) bit for bit; only the Q6_K ones were requantized."""
+    entry = report[case]
+    assert "error" not in entry, entry
+    theirs = llama_cpp_decoding(entry["source"])
+    kept = {m: w for m, (t, w) in theirs.items() if t in ("Q4_K", "Q5_K")}
+    assert len(kept) >= 10 and {r["module"] for r in entry["summary"]["layers"]} == \
+        {m for m, (t, _) in theirs.items() if t == "Q6_K" and m != "lm_head"}
+    for name, w in kept.items():
+        assert same(entry["mx_weights"][name], w), name
+
+
+MLX_DEQUANTIZE = r"""
+import sys
+from pathlib import Path
+import mlx.core as mx
+from mlx_lm.utils import load_model
+sys.path.insert(0, sys.argv[3])
+from mlx_run import dequantized
+model, _ = load_model(Path(sys.argv[1]))
+mx.save_safetensors(sys.argv[2], {n: w for n, w in dequantized(model).items()})
+"""
+
+
+@pytest.mark.parametrize("bits, group", [(2, 128), (3, 32), (6, 64), (8, 32)])
+def test_mlx_lm_folders_of_every_width_keep_their_codes(tmp_path, bits, group):
+    """mlx_lm.convert's own folders of llama-fp16 (min / max biases; the widths and groups the fixtures do
+    not hold: 4-bit g64, 5-bit g32 and mixed 3 / 6-bit g64 are fixtures): --to mlx gives every tensor back
+    byte for byte; --to gguf keeps 2- and 3-bit codes in Q4_1 (nibble = q, d = s, m = b), each weight in
+    llama.cpp's decoder (gguf-py) bit for bit mx.dequantize's, and requantizes 6- and 8-bit ones to Q8_0
+    (no GGUF type holds a float offset at those widths), the reason said."""
+    src = tmp_path / "mlx-lm"
+    subprocess.run([str(MLX_PYTHON), "-m", "mlx_lm", "convert", "--hf-path", str(CHECKPOINTS / "llama-fp16"),
+                    "--mlx-path", str(src), "--quantize", "--q-bits", str(bits), "--q-group-size", str(group)],
+                   check=True, capture_output=True, timeout=600)
+    subprocess.run([str(MLX_PYTHON), "-c", MLX_DEQUANTIZE, str(src), str(tmp_path / "mx.safetensors"),
+                    str(SCRIPT.parent)], check=True, capture_output=True, timeout=600)
+    mx_weights = load_file(tmp_path / "mx.safetensors")
+    same_mlx = json.loads(run_qconv("convert", "--json", src, tmp_path / "mlx", "--to", "mlx", check=0).stdout)
+    assert same_mlx["components"][0]["codes_kept"] == same_mlx["components"][0]["modules"] == 16
+    from qconv.formats.storage.safetensors_header import read_header
+    from qconv.formats.storage.tensor_io import read_array
+
+    def raw(folder):
+        return {n: (i.dtype, read_array(i).tobytes()) for f in sorted(folder.glob("*.safetensors"))
+                for n, i in read_header(f).tensors.items()}
+
+    assert raw(tmp_path / "mlx") == raw(src)
+    proc = run_qconv("convert", "--json", "--validate", src, tmp_path / "m.gguf", "--to", "gguf", check=0)
+    (comp,) = json.loads(proc.stdout)["components"]
+    theirs = llama_cpp_decoding(tmp_path / "m.gguf")
+    types = {t for t, _ in theirs.values()}
+    assert comp["validation"]["ok"] and len(theirs) == 15
+    if bits <= 4:
+        assert types == {"Q4_1"} and comp["requantized"] == 0
+        for name, (_, w) in theirs.items():
+            assert same(w, mx_weights[name]), name
+    else:
+        assert types == {"Q8_0"} and comp["requantized"] == comp["modules"] == 16
+        assert {r["reason"] for r in comp["layers"]} == {f"{bits}-bit codes with float offsets become 8-bit"}
 
 
 def test_a_wrong_code_is_seen(report, tmp_path):

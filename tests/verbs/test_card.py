@@ -17,6 +17,7 @@ from conftest import CHECKPOINTS, QCONV, REPO, child_env, child_signals, copy_ch
 
 GPTQ = "llama-gptq-w4g64-asym"          # GPTQModel 4-bit group 64, asymmetric: every code fits compressed-tensors
 MLX = "llama-mlx-w4g64"                 # mlx_lm.convert, with the card mlx_lm wrote (front matter only)
+MIXED = "llama-mlx-mixed36"             # the same, mlx-lm's mixed_3_6 recipe
 SOURCE_CARD = """---
 license: apache-2.0
 base_model: example-org/Tiny-Llama-Base
@@ -80,30 +81,32 @@ def test_a_lossless_conversion_card_reads_in_the_hubs_parser_and_its_hashes_are_
 
 
 def test_a_gguf_gets_its_card_beside_it_with_every_requantized_module_and_its_error(tmp_path):
+    """mlx_lm's mixed_3_6 folder into GGUF: its 3-bit modules keep their codes (Q4_1), its 6-bit ones no
+    GGUF type holds with float offsets (Q8_0, requantized): the card lists each of those with its error."""
     dst = tmp_path / "tiny.gguf"
-    result = _convert(CHECKPOINTS / MLX, dst, "--to", "gguf", "--jobs", "1", "--base-model", "example-org/Tiny")
+    result = _convert(CHECKPOINTS / MIXED, dst, "--to", "gguf", "--jobs", "1", "--base-model", "example-org/Tiny")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf", "tiny.md"]
     assert result["card"]["picture"] is None                    # no matplotlib here: the card says how
     card = ModelCard((tmp_path / "tiny.md").read_text())
     meta = card.data.to_dict()
     # mlx_lm's card says library mlx: the GGUF is not, and says gguf; its language and pipeline carried
-    assert "library_name" not in meta and meta["tags"] == ["qconv", "gguf", "4-bit"]   # Q4_0, as the source
+    assert "library_name" not in meta and meta["tags"] == ["qconv", "gguf", "4-bit", "8-bit"]   # Q4_1, Q8_0
     assert meta["language"] == "en" and meta["pipeline_tag"] == "text-generation"
     assert meta["base_model"] == "example-org/Tiny"
     (comp,) = result["components"]
-    rows = [line.split(" | ") for line in card.text.splitlines() if line.startswith(f"| {MLX} | `")]
-    assert len(rows) == comp["requantized"] == 16
+    rows = [line.split(" | ") for line in card.text.splitlines() if line.startswith(f"| {MIXED} | `")]
+    assert len(rows) == comp["requantized"] == 3 and comp["codes_kept"] == 13
     for r in comp["layers"]:
         row = next(x for x in rows if x[1] == f"`{r['module']}`")
         assert float(row[3]) == pytest.approx(r["rel_frobenius"], rel=1e-3)
         assert float(row[4].rstrip(" |")) == pytest.approx(r["rtn_rel_frobenius"], rel=1e-3)
-    assert "Q4_0" in comp["gguf_types"] and not any(t.startswith("Q") and t != "Q4_0" for t in comp["gguf_types"])
+    assert {t for t in comp["gguf_types"] if t.startswith("Q")} == {"Q4_1", "Q8_0"}
     types = ", ".join(f"{n} {t}" for t, n in comp["gguf_types"].items())
     assert f"tensor types: {types}" in card.text
     assert "needs matplotlib: `pip install qconv[plot]`" in card.text
     hashes = _hash_table((tmp_path / "tiny.md").read_text())
     assert hashes["output/tiny.gguf"] == _sha(dst)
-    assert hashes["source/model.safetensors"] == _sha(CHECKPOINTS / MLX / "model.safetensors")
+    assert hashes["source/model.safetensors"] == _sha(CHECKPOINTS / MIXED / "model.safetensors")
 
 
 def test_the_card_is_the_same_wherever_the_run_is_and_no_card_leaves_the_source_readme(tmp_path):
@@ -216,7 +219,7 @@ def _png_size(data: bytes) -> tuple[int, int]:
 
 @pytest.mark.consumer(PLOT / "matplotlib", "matplotlib (in .venv-plot)")
 def test_with_matplotlib_the_card_embeds_a_picture_of_the_per_layer_error(tmp_path):
-    def convert(dst, jobs, src=MLX):
+    def convert(dst, jobs, src=MIXED):
         proc = subprocess.run([QCONV, "convert", "--json", CHECKPOINTS / src, dst, "--to", "gguf", "--jobs", jobs],
                               capture_output=True, text=True, timeout=300, env=child_env(PYTHONPATH=str(PLOT)),
                               preexec_fn=child_signals())

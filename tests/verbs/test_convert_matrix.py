@@ -27,6 +27,7 @@ TARGETS = {"gptq": "GPTQ", "gptq-v2": "GPTQ", "auto-round": "auto-round", "bnb8"
            "compressed-tensors-mxfp4": "compressed-tensors", "mlx": "MLX"}
 # (mlx-lm's files are requantized asymmetric: MLX's affine grid is)
 ASYMMETRIC = ("llama-gptq-w4g64-asym", "llama-awq-w4g128", "llama-ct-w4a16-asym", "llama-mlx-w4g64", "llama-mlx-mixed36",
+              "llama-mlx-w5g32",
               "qwen3moe-mlx-w4g64")
 # gpt-oss' fused 3-D MoE experts (gate and up rows interleaved): the quantized formats hold one Linear per
 # expert, and gpt-oss has no per-expert layout a loader reads

@@ -186,6 +186,7 @@ def test_device_dequantization_is_bit_exact():
     kinds = {(qt.spec.name, qt.g_idx is not None) for _, qt, _ in cases}
     assert {("int8", False), ("int4", True), ("int3", False), ("int2", False), ("nf4", False),
             ("fp4", False)} <= kinds
+    assert any(getattr(qt, "biases", None) is not None for _, qt, _ in cases)     # MLX's float offsets
     checked, wrong = gpu_check.device_mismatches("cpu")
     assert wrong == [] and checked == 3 * len(cases)
 

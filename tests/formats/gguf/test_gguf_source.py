@@ -14,16 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CHECKPOINTS, assert_same_tokenizer, one_error, requantize_gguf, run_qconv, split_gguf
+from conftest import CHECKPOINTS, assert_same_tokenizer, gguf_tensors, one_error, requantize_gguf, run_qconv, split_gguf
 
 
 def gguf_of(src, path, *args):
     run_qconv("convert", CHECKPOINTS / src, path, "--to", "gguf", *args, check=0)
     return path
-
-
-def tensors_of(path):
-    return {t.name: (t.tensor_type, np.asarray(t.data).view(np.uint8).tobytes()) for t in gguf.GGUFReader(path).tensors}
 
 
 @pytest.mark.parametrize("src, args", [("llama-gptq-w4g64-asym", ()), ("llama-gptq-w8g128", ()),
@@ -37,7 +33,7 @@ def test_gguf_to_gguf_gives_every_tensor_back(tmp_path, src, args):
     proc = run_qconv("convert", "--json", "--validate", first, tmp_path / "b.gguf", "--to", "gguf", *args, check=0)
     (comp,) = json.loads(proc.stdout)["components"]
     assert comp["requantized"] == 0 and comp["validation"]["ok"]
-    assert tensors_of(first) == tensors_of(tmp_path / "b.gguf")
+    assert gguf_tensors(first) == gguf_tensors(tmp_path / "b.gguf")
     a, b = gguf.GGUFReader(first), gguf.GGUFReader(tmp_path / "b.gguf")
     assert {k: f.contents() for k, f in a.fields.items()} == {k: f.contents() for k, f in b.fields.items()}
 
@@ -83,9 +79,9 @@ HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "sel
       "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
-def test_types_with_no_exact_form_are_requantized_from_their_decoding(tmp_path):
-    """A GGUF whose layer-1 Linears gguf-py's own quantizer wrote as Q5_1 (a type whose float minimum no
-    integer zero point holds) and whose embeddings and lm_head are Q8_0 blocks: convert --to gptq keeps
+def test_float_offsets_gptq_cannot_hold_are_requantized_from_their_decoding(tmp_path):
+    """A GGUF whose layer-1 Linears gguf-py's own quantizer wrote as Q5_1 (codes with a float minimum, which
+    no integer zero point holds) and whose embeddings and lm_head are Q8_0 blocks: convert --to gptq keeps
     layer 0's Q8_0 codes, requantizes layer 1 from gguf-py's decoding (8-bit, groups of 32: Q5_1 is 6 bits a
     weight) and reports each layer's error, which is the error of the written weights against that
     decoding; the embeddings and lm_head become float16 tensors of their decoding, with a warning; the
@@ -104,7 +100,7 @@ def test_types_with_no_exact_form_are_requantized_from_their_decoding(tmp_path):
     errors = {r["module"]: r for r in comp["layers"]}
     for name, ref in decoded.items():
         module = f"model.layers.1.{HF[name.split('.')[2]]}"
-        assert errors[module]["reason"] == "GGUF Q5_1 holds no codes qconv keeps: quantized from its decoded weights"
+        assert errors[module]["reason"] == "float offsets (w = s * q + b) are not integer zero points; 5-bit codes become 8-bit"
         ref = _hf_rows(name, ref.astype(np.float64))
         got = out[module + ".weight"].numpy().astype(np.float64)
         rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
@@ -160,8 +156,8 @@ def test_a_split_gguf_converts_and_validates_as_its_unsplit_file(tmp_path):
     proc = run_qconv("convert", "--json", first, tmp_path / "again.gguf", "--to", "gguf", "--max-shard-size", "1B",
                      check=0)
     (comp,) = json.loads(proc.stdout)["components"]
-    again = {k: v for f in comp["shards"] for k, v in tensors_of(tmp_path / f).items()}
-    assert len(comp["shards"]) == 21 and again == tensors_of(one)
+    again = {k: v for f in comp["shards"] for k, v in gguf_tensors(tmp_path / f).items()}
+    assert len(comp["shards"]) == 21 and again == gguf_tensors(one)
     report = json.loads(run_qconv("validate", "--json", CHECKPOINTS / "llama-gptq-w8g128", first, check=0).stdout)
     assert report["ok"] and len(report["layers"]) == 16
     report = json.loads(run_qconv("validate", "--json", first, one, check=0).stdout)
@@ -218,7 +214,7 @@ def test_llama3_rope_factors_read_back_as_the_rope_scaling(tmp_path):
         b = AutoModelForCausalLM.from_pretrained(tmp_path / "direct", dtype=torch.float32)(ids).logits
     assert torch.equal(a, b)
     run_qconv("convert", "--validate", tmp_path / "m.gguf", tmp_path / "again.gguf", "--to", "gguf", check=0)
-    assert tensors_of(tmp_path / "m.gguf") == tensors_of(tmp_path / "again.gguf")
+    assert gguf_tensors(tmp_path / "m.gguf") == gguf_tensors(tmp_path / "again.gguf")
     shutil.copy(tmp_path / "m.gguf", tmp_path / "bent.gguf")
     reader = gguf.GGUFReader(tmp_path / "bent.gguf", "r+")
     factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")

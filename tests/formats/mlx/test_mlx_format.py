@@ -12,14 +12,16 @@ import pytest
 from safetensors.numpy import load_file
 
 from qconv.formats.core.detect import detect
-from qconv.formats.core.ir import FloatWeight, QuantTensor
+from qconv.formats.core.ir import QuantTensor
 from qconv.formats.core.reader import read_module
 from qconv.formats.mlx import codec
 from qconv.formats.storage.checkpoint import open_target
+from qconv.formats.storage.safetensors_header import read_header
+from qconv.formats.storage.tensor_io import read_array
 
 from conftest import CHECKPOINTS, inspect_json, one_error, run_qconv
 
-MLX_FIXTURES = ("llama-mlx-w4g64", "llama-mlx-mixed36", "qwen3moe-mlx-w4g64", "llama-mlx-mxfp4")
+MLX_FIXTURES = ("llama-mlx-w4g64", "llama-mlx-mixed36", "qwen3moe-mlx-w4g64", "llama-mlx-mxfp4", "llama-mlx-w5g32")
 
 
 def reference_pack(codes, bits):
@@ -73,8 +75,8 @@ def decoded(path, dtype="float32"):
 @pytest.mark.parametrize("name", MLX_FIXTURES)
 def test_mlx_lm_checkpoints_read_as_mx_dequantize_decodes_them(name):
     """Every module of mlx-lm's own files, bit for bit its oracle (mx.dequantize, float32 scales and
-    biases); mx.quantize's min / max biases are no integer zero points, so each is its decoded weights;
-    mode mxfp4's e2m1 codes and e8m0 scales are codes."""
+    biases); mx.quantize's min / max biases are no integer zero points, so each is its codes with float
+    offsets (w = s * q + b, the biases as stored); mode mxfp4's e2m1 codes and e8m0 scales are codes."""
     oracle = load_file(CHECKPOINTS / name / "oracle" / "dequant.safetensors")
     weights, read = decoded(CHECKPOINTS / name)
     assert sorted(oracle) == sorted(n + ".weight" for n in weights)
@@ -83,7 +85,8 @@ def test_mlx_lm_checkpoints_read_as_mx_dequantize_decodes_them(name):
     if name.endswith("mxfp4"):
         assert all(isinstance(t, QuantTensor) and t.spec.scheme == "e2m1" for t in read.values())
     else:
-        assert all(isinstance(t, FloatWeight) for t in read.values())
+        assert all(isinstance(t, QuantTensor) and t.spec.offset == "float" and t.zeros is None
+                   and t.biases is not None for t in read.values())
 
 
 def test_inspect_reads_mixed_bits_and_stacked_experts():
@@ -170,14 +173,43 @@ def test_round_trip_through_mlx_gives_the_gptq_codes_back(tmp_path):
         assert np.array_equal(again[name].zeros, source[name].zeros)
 
 
+@pytest.mark.parametrize("name", ["llama-mlx-w4g64", "llama-mlx-mixed36", "qwen3moe-mlx-w4g64"])
+def test_mlx_lm_files_into_mlx_keep_every_tensor_byte_for_byte(tmp_path, name):
+    """mlx_lm.convert's folders (min / max biases, 3- and 6-bit mixed, stacked experts) -> MLX: every code,
+    scale and bias kept as it is, so every tensor of the output is byte for byte mlx-lm's."""
+    comp = convert_json(CHECKPOINTS / name, tmp_path / "mlx", "--to", "mlx")
+    assert comp["requantized"] == 0 and comp["codes_kept"] == comp["modules"] and comp["scales_rounded"] == 0
+
+    def raw(folder):
+        out = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            out.update({n: (i.dtype, i.shape, read_array(i).tobytes()) for n, i in read_header(f).tensors.items()})
+        return out
+
+    assert raw(tmp_path / "mlx") == raw(CHECKPOINTS / name)
+    def resolved(folder):
+        """Each quantized module's (bits, group size, mode) as mlx-lm resolves its config's entries (a
+        per-module entry over the defaults; null: the default)."""
+        q = json.loads((folder / "config.json").read_text())["quantization"]
+        out = {}
+        for n in raw(folder):
+            if n.endswith(".scales"):
+                m = n[: -len(".scales")]
+                entry = q.get(m) if isinstance(q.get(m), dict) else {}
+                out[m] = tuple(entry.get(k) or q.get(k, "affine") for k in ("bits", "group_size", "mode"))
+        return out
+
+    assert resolved(tmp_path / "mlx") == resolved(CHECKPOINTS / name)
+
+
 def test_mlx_lm_files_into_gptq_are_requantized_with_the_error_reported(tmp_path):
-    """mx.quantize's biases are no integer zero points: GPTQ cannot keep its codes; every module is
+    """mx.quantize's biases are float offsets, no integer zero points: GPTQ cannot keep its codes; every module is
     requantized from MLX's exact decoding, each layer's error beside round-to-nearest's, and validated
     against that error. Asymmetric by default (MLX's grid is; mx.quantize makes 0 nearly a grid point, so
     an integer zero point nearly fits): far below a symmetric requantization (--sym)."""
     asym = convert_json(CHECKPOINTS / "llama-mlx-w4g64", tmp_path / "asym", "--to", "gptq", "--validate")
     assert asym["requantized"] == asym["modules"] == 16 and asym["validation"]["ok"]
-    assert all("MLX affine 4-bit" in r["reason"] and r["rtn_rel_frobenius"] >= r["rel_frobenius"] > 0
+    assert all("float offsets" in r["reason"] and r["rtn_rel_frobenius"] >= r["rel_frobenius"] > 0
                for r in asym["layers"])
     sym = convert_json(CHECKPOINTS / "llama-mlx-w4g64", tmp_path / "sym", "--to", "gptq", "--sym")
     assert asym["max_rel_frobenius"] < 0.01 < sym["max_rel_frobenius"]
@@ -313,7 +345,8 @@ M = "model.layers.0.mlp.down_proj"
     ("llama-mlx-w4g64", lambda t: {k: v for k, v in t.items() if k != M + ".biases"}, 4, "no biases tensor"),
     ("llama-mlx-w4g64", lambda t: {**t, M + ".weight": t[M + ".weight"][:, :40].clone()}, 4, "scale groups"),
     ("llama-mlx-mxfp4", lambda t: {**t, M + ".scales": t[M + ".scales"].clone().fill_(255)}, 4, "not finite"),
-], ids=["nan-scales", "biases-shape", "no-biases", "short-words", "e8m0-255"])
+    ("llama-mlx-w4g64", lambda t: {**t, M + ".biases": t[M + ".biases"].clone().fill_(float("inf"))}, 4, "non-finite"),
+], ids=["nan-scales", "biases-shape", "no-biases", "short-words", "e8m0-255", "inf-offsets"])
 def test_hostile_mlx_files_get_one_line_naming_the_tensor(tmp_path, fixture, edit, code, words):
     """Every verb that reads data refuses, naming the file and the module, and writes nothing."""
     src = _edited(tmp_path, fixture, edit)
