@@ -63,8 +63,11 @@ def require_decodable(comp: Component) -> Detection:
                                     file=clash.file, tensor=clash.name)
     if det.unaccounted:
         name, more = det.unaccounted[0], len(det.unaccounted) - 1
+        declared = (det.qc or {}).get("quant_method")
+        said = (f" ({det.qc_source}'s quant_method {declared!r} decodes none of it)"
+                if det.qc_source and isinstance(declared, str) else "")
         raise CorruptCheckpoint(f"{_unaccounted_problem(name, tensors)}"
-                                f"{f' (and {more} more such tensors)' if more else ''}: it cannot be "
+                                f"{f' (and {more} more such tensors)' if more else ''}{said}: it cannot be "
                                 f"decoded, and copied it would pass for a plain weight",
                                 file=tensors[name].file, tensor=name)
     # the model's structural keys against its tensors (structure.py): after every tensor is accounted for

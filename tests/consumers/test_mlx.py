@@ -55,7 +55,6 @@ CASES = [
     ("gguf-q4_0", "gguf:llama-fp16:Q4_0", (), True),
     ("gguf-q5_0", "gguf:llama-fp16:Q5_0", (), True),
     ("gguf-q4_1-float-offsets", "gguf:llama-fp16:Q4_1", (), True),
-    ("gguf-q5_1-float-offsets", "gguf:llama-fp16:Q5_1", (), True),
     ("llama.cpp-q4_k_m", "file:fixtures/gguf/llama-fp16-Q4_K_M.gguf", (), False),    # its Q6_K requantized
     ("llama.cpp-q5_k_m", "file:fixtures/gguf/llama-fp16-Q5_K_M.gguf", (), False),
     ("ct-mxfp4-mode-mxfp4", "llama-ct-mxfp4", (), True),
