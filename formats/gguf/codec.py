@@ -144,17 +144,19 @@ def encode(qt: QuantTensor, type_name: str) -> tuple[np.ndarray, np.ndarray]:
     s = block_scales(qt)
     q = qt.codes.astype(np.int16).reshape(out, nb, QK)
     first = qt.groups[::QK]
+    offsets = type_name in ("Q4_1", "Q5_1")
     if qt.biases is not None:                       # float offsets: only Q4_1 / Q5_1 hold them, m = b
-        if type_name not in ("Q4_1", "Q5_1"):
+        if not offsets:
             raise NotStorable(f"{type_name} holds no float offsets")
         z = np.zeros((out, nb, 1), np.int16)
         b = qt.biases[:, first].astype(np.float64)
     else:
         z = qt.zeros[:, first].astype(np.int16)[:, :, None]
-        b = -(s.astype(np.float64) * z[:, :, 0])        # exact: s 24 significant bits, z at most 8
+        b = -(s.astype(np.float64) * z[:, :, 0]) if offsets else None   # exact: s 24 bits, z at most 8
     d = _f16(s).reshape(out, nb, 1).view(np.uint8).reshape(out, nb, 2)
-    m = _f16(b).reshape(out, nb, 1).view(np.uint8).reshape(out, nb, 2)
-    offset_exact = np.concatenate([s.astype(np.float64), b], axis=1)     # Q4_1 / Q5_1: d and m both rounded
+    if offsets:                                     # m, and the exact d then m that encode returns
+        m = _f16(b).reshape(out, nb, 1).view(np.uint8).reshape(out, nb, 2)
+        s = np.concatenate([s.astype(np.float64), b], axis=1)
     if type_name == "Q8_0":
         v = q - z
         if v.min(initial=0) < -128 or v.max(initial=0) > 127:
@@ -167,11 +169,7 @@ def encode(qt: QuantTensor, type_name: str) -> tuple[np.ndarray, np.ndarray]:
             raise NotStorable("codes do not fit Q4 nibbles")
         n = n.astype(np.uint8)
         qs = n[:, :, :16] | (n[:, :, 16:] << 4)
-        if type_name == "Q4_0":
-            parts = [d, qs]
-        else:
-            parts = [d, m, qs]
-            s = offset_exact
+        parts = [d, qs] if type_name == "Q4_0" else [d, m, qs]
     elif type_name in ("Q5_0", "Q5_1"):
         v = q - z + 16 if type_name == "Q5_0" else q
         if v.min(initial=0) < 0 or v.max(initial=0) > 31:
@@ -180,9 +178,7 @@ def encode(qt: QuantTensor, type_name: str) -> tuple[np.ndarray, np.ndarray]:
         qh = ((v >> 4) << np.arange(QK, dtype=np.uint32)).sum(axis=2, dtype=np.uint32)
         low = (v & 0xF).astype(np.uint8)
         qs = low[:, :, :16] | (low[:, :, 16:] << 4)
-        parts = [d] + ([m] if type_name == "Q5_1" else []) + [qh.astype("<u4").reshape(out, nb, 1).view(np.uint8), qs]
-        if type_name == "Q5_1":
-            s = offset_exact
+        parts = [d] + ([m] if offsets else []) + [qh.astype("<u4").reshape(out, nb, 1).view(np.uint8), qs]
     else:
         raise NotStorable(f"no encoder for {type_name}")
     return np.concatenate(parts, axis=2).reshape(out, nb * TYPES[type_name][1]), s

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CHECKPOINTS, assert_same_tokenizer, gguf_tensors, one_error, requantize_gguf, run_qconv, split_gguf
+from conftest import CHECKPOINTS, assert_same_tokenizer, gguf_hf_name, gguf_hf_rows, gguf_tensors, one_error, requantize_gguf, run_qconv, split_gguf
 
 
 def gguf_of(src, path, *args):
@@ -66,19 +66,6 @@ def test_validate_pairs_a_folder_with_a_gguf(tmp_path):
     run_qconv("validate", "--tol", "0.2", CHECKPOINTS / "llama-gptq-w4g128-actorder", lossy, check=0)
 
 
-def _hf_rows(name, w):
-    """A GGUF tensor's rows in Hugging Face order (llama's q / k: the rotary permutation undone, per head
-    of the fixtures' 4 query and 2 key-value heads)."""
-    if name.endswith(("attn_q.weight", "attn_k.weight")):
-        rows, heads = w.shape[0], 4 if name.endswith("attn_q.weight") else 2
-        return w.reshape(heads, rows // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
-    return w
-
-
-HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-      "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-
-
 def test_float_offsets_gptq_cannot_hold_are_requantized_from_their_decoding(tmp_path):
     """A GGUF whose layer-1 Linears gguf-py's own quantizer wrote as Q5_1 (codes with a float minimum, which
     no integer zero point holds) and whose embeddings and lm_head are Q8_0 blocks: convert --to gptq keeps
@@ -99,9 +86,9 @@ def test_float_offsets_gptq_cannot_hold_are_requantized_from_their_decoding(tmp_
     out = load_file(tmp_path / "float" / "model.safetensors")
     errors = {r["module"]: r for r in comp["layers"]}
     for name, ref in decoded.items():
-        module = f"model.layers.1.{HF[name.split('.')[2]]}"
+        module = gguf_hf_name(name)
         assert errors[module]["reason"] == "float offsets (w = s * q + b) are not integer zero points; 5-bit codes become 8-bit"
-        ref = _hf_rows(name, ref.astype(np.float64))
+        ref = gguf_hf_rows(name, ref.astype(np.float64))
         got = out[module + ".weight"].numpy().astype(np.float64)
         rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         assert 0 < rel < 0.02 and rel == pytest.approx(errors[module]["rel_frobenius"], rel=1e-4, abs=1e-6), module
